@@ -1,0 +1,397 @@
+"""Messages that cross process boundaries, and the one codec they cross in.
+
+Every component (dataflow service, RaaS, trainer) speaks only these types. The wire format is
+msgpack with a schema version; numpy arrays travel as raw bytes with their dtype and shape
+(never pickle). Decoding validates every field and raises :class:`ProtocolError` naming the
+field, so a service can answer a malformed body with a 4xx that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+#: dtypes allowed on the wire; anything else (object arrays in particular) is refused.
+WIRE_DTYPES = frozenset(
+    {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "uint64",
+     "float16", "float32", "float64"}
+)
+MAX_ARRAY_ELEMENTS = 1 << 26  # 64M elements: far above any trajectory, far below an OOM
+
+
+class ProtocolError(ValueError):
+    """A message does not match the schema; ``field`` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+def _pack_array(arr: np.ndarray) -> dict:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.name not in WIRE_DTYPES:
+        raise ProtocolError("array", f"dtype {arr.dtype} is not allowed on the wire")
+    return {"__nd__": True, "dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def _unpack_array(obj: Any, name: str) -> np.ndarray:
+    if not isinstance(obj, dict) or not obj.get("__nd__"):
+        raise ProtocolError(name, "expected an array {__nd__, dtype, shape, data}")
+    dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"{name}.dtype", f"{dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ProtocolError(f"{name}.shape", "must be a list of non-negative ints")
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError(f"{name}.data", "must be raw bytes")
+    count = math.prod(shape)
+    if count > MAX_ARRAY_ELEMENTS:
+        raise ProtocolError(f"{name}.shape", f"{count} elements exceeds {MAX_ARRAY_ELEMENTS}")
+    dt = np.dtype(dtype)
+    if len(data) != count * dt.itemsize:
+        raise ProtocolError(
+            f"{name}.data", f"{len(data)} bytes do not match shape {shape} of {dtype}"
+        )
+    return np.frombuffer(bytes(data), dtype=dt).reshape(shape).copy()
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return _pack_array(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+def _req(d: dict, key: str, types: type | tuple, where: str) -> Any:
+    if key not in d:
+        raise ProtocolError(f"{where}.{key}", "is required")
+    value = d[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ProtocolError(f"{where}.{key}", f"expected {types}, got bool")
+    if not isinstance(value, types):
+        raise ProtocolError(f"{where}.{key}", f"expected {types}, got {type(value).__name__}")
+    return value
+
+
+def _opt(d: dict, key: str, types: type | tuple, where: str, default: Any) -> Any:
+    if d.get(key) is None:
+        return default
+    return _req(d, key, types, where)
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Task:
+    """One unit of rollout work leased to a RaaS: a prompt and how many samples to draw.
+
+    ``prompt`` is text (or chat messages); the RaaS tokenizes it with its engine's tokenizer,
+    and from then on only token ids travel. ``metadata`` carries what the reward needs (e.g. the
+    reference answer). ``kind`` is ``train`` or ``eval``; eval tasks are scheduled by the dataflow
+    for a given policy ``version`` and are never trained on.
+    """
+
+    task_id: str
+    prompt: Any
+    n: int
+    model_ids: list[str]
+    workflow: str = "single_turn"
+    kind: str = "train"
+    eval_version: int | None = None
+    metadata: dict = field(default_factory=dict)
+    lease_deadline: float = 0.0
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "task") -> "Task":
+        if not isinstance(d, dict):
+            raise ProtocolError(where, "expected a map")
+        n = _req(d, "n", int, where)
+        if n < 1:
+            raise ProtocolError(f"{where}.n", "must be >= 1")
+        kind = _opt(d, "kind", str, where, "train")
+        if kind not in ("train", "eval"):
+            raise ProtocolError(f"{where}.kind", "must be 'train' or 'eval'")
+        model_ids = _req(d, "model_ids", list, where)
+        if not model_ids or not all(isinstance(m, str) and m for m in model_ids):
+            raise ProtocolError(f"{where}.model_ids", "must be a non-empty list of names")
+        return cls(
+            task_id=_req(d, "task_id", str, where),
+            prompt=d.get("prompt"),
+            n=n,
+            model_ids=model_ids,
+            workflow=_opt(d, "workflow", str, where, "single_turn"),
+            kind=kind,
+            eval_version=_opt(d, "eval_version", int, where, None),
+            metadata=_opt(d, "metadata", dict, where, {}),
+            lease_deadline=float(_opt(d, "lease_deadline", (int, float), where, 0.0)),
+        )
+
+
+@dataclass
+class Sample:
+    """One trajectory for one policy: tokens in, tokens out.
+
+    All four arrays have one entry per token of ``token_ids`` (prompt and completion together).
+    ``logprobs`` is the behaviour log-probability of each generated token (0 where
+    ``loss_mask`` is 0); ``versions`` the policy version that produced each token (-1 for prompt
+    and environment tokens). ``advantage`` is filled by the dataflow on ingest from the group
+    (same ``task_id`` and ``model_id``) statistics.
+    """
+
+    task_id: str
+    sample_index: int
+    model_id: str
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    versions: np.ndarray  # int32 [T]
+    reward: float
+    prompt_len: int = 0
+    group_index: int = 0
+    role: str = ""
+    advantage: float = 0.0
+    group_mean: float = 0.0
+    group_std: float = 0.0
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that produced any of this sample's tokens (staleness key)."""
+        gen = self.versions[self.loss_mask.astype(bool)]
+        return int(gen.min()) if gen.size else int(self.versions.max(initial=0))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def to_wire(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["token_ids"] = self.token_ids.astype(np.int32, copy=False)
+        d["logprobs"] = self.logprobs.astype(np.float32, copy=False)
+        d["loss_mask"] = self.loss_mask.astype(np.uint8, copy=False)
+        d["versions"] = self.versions.astype(np.int32, copy=False)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "sample") -> "Sample":
+        if not isinstance(d, dict):
+            raise ProtocolError(where, "expected a map")
+        arrays = {}
+        for name, dtype in (("token_ids", np.int32), ("logprobs", np.float32),
+                            ("loss_mask", np.uint8), ("versions", np.int32)):
+            arr = _unpack_array(d.get(name), f"{where}.{name}")
+            if arr.ndim != 1:
+                raise ProtocolError(f"{where}.{name}", "must be one-dimensional")
+            if arr.dtype != dtype:
+                raise ProtocolError(f"{where}.{name}", f"must be {np.dtype(dtype).name}")
+            arrays[name] = arr
+        length = arrays["token_ids"].shape[0]
+        if length == 0:
+            raise ProtocolError(f"{where}.token_ids", "must not be empty")
+        for name, arr in arrays.items():
+            if arr.shape[0] != length:
+                raise ProtocolError(
+                    f"{where}.{name}", f"length {arr.shape[0]} != token_ids length {length}"
+                )
+        if not np.all(np.isfinite(arrays["logprobs"])) or np.any(arrays["logprobs"] > 1e-3):
+            raise ProtocolError(f"{where}.logprobs", "must be finite log-probabilities (<= 0)")
+        if np.any(arrays["loss_mask"] > 1):
+            raise ProtocolError(f"{where}.loss_mask", "must hold only 0 and 1")
+        if np.any(arrays["token_ids"] < 0):
+            raise ProtocolError(f"{where}.token_ids", "must be non-negative")
+        reward = _req(d, "reward", (int, float), where)
+        if not math.isfinite(reward):
+            raise ProtocolError(f"{where}.reward", "must be finite")
+        model_id = _req(d, "model_id", str, where)
+        if not model_id:
+            raise ProtocolError(f"{where}.model_id", "must not be empty")
+        sample_index = _req(d, "sample_index", int, where)
+        if sample_index < 0:
+            raise ProtocolError(f"{where}.sample_index", "must be >= 0")
+        prompt_len = _opt(d, "prompt_len", int, where, 0)
+        if not 0 <= prompt_len <= length:
+            raise ProtocolError(f"{where}.prompt_len", f"must be in [0, {length}]")
+        return cls(
+            task_id=_req(d, "task_id", str, where),
+            sample_index=sample_index,
+            model_id=model_id,
+            reward=float(reward),
+            prompt_len=prompt_len,
+            group_index=_opt(d, "group_index", int, where, 0),
+            role=_opt(d, "role", str, where, ""),
+            advantage=float(_opt(d, "advantage", (int, float), where, 0.0)),
+            group_mean=float(_opt(d, "group_mean", (int, float), where, 0.0)),
+            group_std=float(_opt(d, "group_std", (int, float), where, 0.0)),
+            metadata=_opt(d, "metadata", dict, where, {}),
+            **arrays,
+        )
+
+
+@dataclass
+class Batch:
+    """Samples of one policy served to its trainer; acknowledged by ``batch_id`` once trained."""
+
+    batch_id: str
+    model_id: str
+    policy_version: int
+    samples: list[Sample]
+
+    def to_wire(self) -> dict:
+        return {
+            "batch_id": self.batch_id,
+            "model_id": self.model_id,
+            "policy_version": self.policy_version,
+            "samples": [s.to_wire() for s in self.samples],
+        }
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "batch") -> "Batch":
+        if not isinstance(d, dict):
+            raise ProtocolError(where, "expected a map")
+        samples = _req(d, "samples", list, where)
+        return cls(
+            batch_id=_req(d, "batch_id", str, where),
+            model_id=_req(d, "model_id", str, where),
+            policy_version=_req(d, "policy_version", int, where),
+            samples=[Sample.from_wire(s, f"{where}.samples[{i}]") for i, s in enumerate(samples)],
+        )
+
+
+@dataclass
+class WeightManifest:
+    """Version ``version`` of policy ``model_id``: what to fetch and how to verify it.
+
+    ``files`` maps file name to ``{"sha256": hex, "bytes": int}``; ``tensors`` maps tensor name
+    to ``{"dtype", "shape", "sha256"}`` of the reconstructed tensor, so a receiver can check
+    what it built, not only what it downloaded. ``kind`` is ``full`` (safetensors) or ``delta``
+    (applies onto exactly ``base_version``).
+    """
+
+    model_id: str
+    version: int
+    kind: str
+    files: dict
+    base_version: int | None = None
+    tensors: dict = field(default_factory=dict)
+    created: float = 0.0
+    metadata: dict = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: Any, where: str = "manifest") -> "WeightManifest":
+        if not isinstance(d, dict):
+            raise ProtocolError(where, "expected a map")
+        kind = _req(d, "kind", str, where)
+        if kind not in ("full", "delta"):
+            raise ProtocolError(f"{where}.kind", "must be 'full' or 'delta'")
+        version = _req(d, "version", int, where)
+        if version < 0:
+            raise ProtocolError(f"{where}.version", "must be >= 0")
+        base = _opt(d, "base_version", int, where, None)
+        if kind == "delta" and (base is None or base >= version):
+            raise ProtocolError(f"{where}.base_version", "a delta needs base_version < version")
+        files = _req(d, "files", dict, where)
+        for name, info in files.items():
+            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+                raise ProtocolError(f"{where}.files", f"bad file name {name!r}")
+            if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+                raise ProtocolError(f"{where}.files[{name}].sha256", "is required")
+        return cls(
+            model_id=_req(d, "model_id", str, where),
+            version=version,
+            kind=kind,
+            files=files,
+            base_version=base,
+            tensors=_opt(d, "tensors", dict, where, {}),
+            created=float(_opt(d, "created", (int, float), where, 0.0)),
+            metadata=_opt(d, "metadata", dict, where, {}),
+        )
+
+
+# ----------------------------------------------------------------------------- codec
+
+_TYPES = {"Task": Task, "Sample": Sample, "Batch": Batch, "WeightManifest": WeightManifest}
+
+
+def encode(payload: Any) -> bytes:
+    """Encode a message (a dataclass above, or a plain dict/list of them) as msgpack.
+
+    The envelope is ``{"schema": SCHEMA_VERSION, "body": ...}``; dataclasses become maps with a
+    ``__type__`` tag so :func:`decode` can rebuild and validate them.
+    """
+
+    def convert(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj) and type(obj).__name__ in _TYPES:
+            body = {k: convert(v) for k, v in obj.to_wire().items()}
+            body["__type__"] = type(obj).__name__
+            return body
+        if isinstance(obj, dict):
+            return {k: convert(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [convert(v) for v in obj]
+        return obj
+
+    return msgpack.packb({"schema": SCHEMA_VERSION, "body": convert(payload)}, default=_default,
+                         use_bin_type=True)
+
+
+def decode(data: bytes, max_bytes: int | None = None) -> Any:
+    """Decode and validate a message; raises :class:`ProtocolError` naming the bad field."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ProtocolError("body", f"{len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data),
+                              max_str_len=len(data), max_array_len=len(data),
+                              max_map_len=len(data))
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("body", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(env, dict) or "schema" not in env or "body" not in env:
+        raise ProtocolError("body", "expected an envelope {schema, body}")
+    if env["schema"] != SCHEMA_VERSION:
+        raise ProtocolError(
+            "schema", f"version {env['schema']!r} not supported (this build speaks {SCHEMA_VERSION})"
+        )
+
+    def rebuild(obj: Any, where: str) -> Any:
+        if isinstance(obj, dict):
+            tag = obj.get("__type__")
+            if tag is not None:
+                cls = _TYPES.get(tag)
+                if cls is None:
+                    raise ProtocolError(f"{where}.__type__", f"unknown type {tag!r}")
+                return cls.from_wire(obj, where)
+            if obj.get("__nd__"):
+                return _unpack_array(obj, where)
+            return {k: rebuild(v, f"{where}.{k}") for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [rebuild(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return obj
+
+    return rebuild(env["body"], "body")
+
+
+def expect(obj: Any, cls: type, where: str = "body") -> Any:
+    """Check that a decoded message is of ``cls``; raise :class:`ProtocolError` otherwise."""
+    if not isinstance(obj, cls):
+        raise ProtocolError(where, f"expected {cls.__name__}, got {type(obj).__name__}")
+    return obj

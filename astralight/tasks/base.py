@@ -1,0 +1,31 @@
+"""Prompt sources: where the dataflow service draws its prompts from.
+
+A source is indexable: ``get(i)`` returns prompt number ``i`` deterministically, so the service
+only has to persist a cursor (an integer in SQLite) to resume exactly where it stopped, and an
+eval set is simply ``get(0) .. get(len - 1)`` of an eval source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One prompt: what the workflow sees (``prompt``) and what the reward needs (``metadata``)."""
+
+    prompt_id: str
+    prompt: Any
+    metadata: dict = field(default_factory=dict)
+
+
+class PromptSource:
+    """Base class of prompt sources; subclasses implement ``get`` and, if finite, ``__len__``."""
+
+    def get(self, index: int) -> Prompt:
+        raise NotImplementedError(f"{type(self).__name__} must implement get(index)")
+
+    def __len__(self) -> int:
+        """Number of distinct prompts; infinite (procedural) sources return a very large number."""
+        return 2**62
