@@ -1,0 +1,213 @@
+"""Synchronous client of the dataflow service, used by RaaS, trainers, callbacks and tests.
+
+msgpack bodies through :mod:`astralight.protocol`; the bearer token comes from the argument or
+``ASTRALIGHT_TOKEN``. Connection failures are retried with backoff for up to ``retry_s`` seconds so
+that a restarting service is waited for (every route is safe to repeat: pushes are idempotent by
+task id, and a pulled batch whose answer got lost is re-served after the ack timeout). A 4xx/5xx
+answer raises :class:`DataflowError` carrying the server's message, which names the bad field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from astralight.protocol import Batch, Task, WeightManifest, decode, encode, expect
+
+MSGPACK = "application/msgpack"
+
+
+class DataflowError(RuntimeError):
+    """The service refused a request: ``status`` is the HTTP status (4xx/5xx) and ``field`` the
+    request field the server named. ``status`` is None for failures that are not an HTTP answer
+    (see :class:`DataflowUnreachable`, and a downloaded file failing its sha256 check)."""
+
+    def __init__(self, status: int | None, message: str, field: str | None = None):
+        super().__init__(f"dataflow HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+class DataflowUnreachable(DataflowError):
+    """No answer from the service within ``retry_s`` seconds of retrying."""
+
+    def __init__(self, message: str):
+        super().__init__(None, message)
+
+
+class DataflowClient:
+    """See notes/interfaces.md for the contract of every method."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 60.0,
+                 retry_s: float = 60.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.retry_s = retry_s
+        token = token if token is not None else os.environ.get("ASTRALIGHT_TOKEN", "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._manifests: dict[tuple[str, int], WeightManifest] = {}  # versions are immutable
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "DataflowClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+
+    def _send(self, method: str, path: str, *, body: Any = None, raw: bytes | None = None,
+              timeout: float | None = None, headers: dict | None = None) -> httpx.Response:
+        content, hdrs = None, dict(headers or {})
+        if body is not None:
+            content, hdrs["Content-Type"] = encode(body), MSGPACK
+        elif raw is not None:
+            content, hdrs["Content-Type"] = raw, "application/octet-stream"
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                resp = self._http.request(method, path, content=content, headers=hdrs,
+                                          timeout=timeout or self.timeout)
+                break
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
+                                              f"{self.retry_s:.0f} s: {type(exc).__name__}: {exc}"
+                                              ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        if resp.status_code >= 400:
+            message, field = resp.text, None
+            try:
+                err = resp.json()
+            except ValueError:
+                err = None
+            if isinstance(err, dict):
+                message = err.get("error") or err.get("detail") or message
+                field = err.get("field")
+            raise DataflowError(resp.status_code, str(message), field)
+        return resp
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        return decode(self._send(method, path, body=body, timeout=timeout).content)
+
+    # ------------------------------------------------------------------ info
+
+    def info(self) -> dict:
+        return self._send("GET", "/v1/info").json()
+
+    def stats(self) -> dict:
+        return self._send("GET", "/v1/stats").json()
+
+    def eval_results(self, model_id: str) -> dict[int, dict]:
+        data = self._send("GET", f"/v1/eval/{model_id}").json()
+        return {int(v): r for v, r in data.items()}
+
+    # ------------------------------------------------------------------ RaaS side
+
+    def register(self, model_ids: list[str], capacity: int, instance_id: str | None = None,
+                 meta: dict | None = None) -> dict:
+        return self._call("POST", "/v1/register", {"model_ids": list(model_ids), "capacity": capacity,
+                                                   "instance_id": instance_id, "meta": meta or {}})
+
+    def heartbeat(self, instance_id: str) -> dict:
+        return self._call("POST", "/v1/heartbeat", {"instance_id": instance_id})
+
+    def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
+        out = self._call("POST", "/v1/lease", {"instance_id": instance_id, "max_tasks": max_tasks})
+        return [expect(t, Task, "tasks[]") for t in out["tasks"]]
+
+    def push(self, instance_id: str, task_id: str, samples: list) -> dict:
+        return self._call("POST", "/v1/push", {"instance_id": instance_id, "task_id": task_id,
+                                               "samples": list(samples)})
+
+    # ------------------------------------------------------------------ trainer side
+
+    def pull_batch(self, model_id: str, size: int, timeout_s: float = 30.0,
+                   trainer_id: str | None = None) -> Batch | None:
+        out = self._call("POST", "/v1/pull", {"model_id": model_id, "size": size,
+                                              "timeout_s": timeout_s, "trainer_id": trainer_id},
+                         timeout=max(self.timeout, timeout_s + 30.0))
+        return None if out is None else expect(out, Batch, "batch")
+
+    def ack(self, batch_id: str) -> None:
+        self._call("POST", "/v1/ack", {"batch_id": batch_id})
+
+    # ------------------------------------------------------------------ versions and weights
+
+    def current_version(self, model_id: str) -> int:
+        return int(self._call("GET", f"/v1/version/{model_id}")["version"])
+
+    def upload_weight_file(self, model_id: str, version: int, name: str, data: bytes) -> None:
+        self._send("PUT", f"/v1/weights/{model_id}/{version}/{name}", raw=bytes(data))
+
+    def publish(self, manifest: WeightManifest) -> dict:
+        return self._call("POST", "/v1/publish", manifest)
+
+    def latest_manifest(self, model_id: str) -> WeightManifest | None:
+        out = self._call("GET", f"/v1/manifest/{model_id}/latest")
+        return None if out is None else expect(out, WeightManifest, "manifest")
+
+    def manifest(self, model_id: str, version: int) -> WeightManifest:
+        key = (model_id, int(version))
+        if key not in self._manifests:
+            out = self._call("GET", f"/v1/manifest/{model_id}/{version}")
+            self._manifests[key] = expect(out, WeightManifest, "manifest")
+        return self._manifests[key]
+
+    def download_weight_file(self, model_id: str, version: int, name: str) -> bytes:
+        """Download one file of a published version; raises DataflowError on a sha256 mismatch."""
+        info = self._file_info(model_id, version, name)
+        data = self._send("GET", f"/v1/weights/{model_id}/{version}/{name}").content
+        got = hashlib.sha256(data).hexdigest()
+        if got != info["sha256"]:
+            raise DataflowError(None, f"{name} of {model_id} v{version}: sha256 {got} does not match "
+                                   f"the manifest's {info['sha256']}", field="sha256")
+        return data
+
+    def download_weight_file_to(self, model_id: str, version: int, name: str,
+                                path: str | Path) -> Path:
+        """Download to ``path``, resuming a partial file with an HTTP Range request, then verify."""
+        info = self._file_info(model_id, version, name)
+        path = Path(path)
+        part = path.with_name(path.name + ".part")
+        have = part.stat().st_size if part.exists() else 0
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        url = f"/v1/weights/{model_id}/{version}/{name}"
+        with self._http.stream("GET", url, headers=headers, timeout=None) as resp:
+            if resp.status_code == 416:  # the part file is already whole: just verify it
+                pass
+            elif resp.status_code >= 400:
+                raise DataflowError(resp.status_code, resp.read().decode(errors="replace"))
+            else:
+                mode = "ab" if resp.status_code == 206 else "wb"
+                with open(part, mode) as f:
+                    for chunk in resp.iter_bytes(1 << 20):
+                        f.write(chunk)
+        digest = hashlib.sha256()
+        with open(part, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        if digest.hexdigest() != info["sha256"]:
+            part.unlink(missing_ok=True)
+            raise DataflowError(None, f"{name} of {model_id} v{version}: sha256 mismatch after "
+                                   "download; the partial file was removed, retry", field="sha256")
+        os.replace(part, path)
+        return path
+
+    def _file_info(self, model_id: str, version: int, name: str) -> dict:
+        manifest = self.manifest(model_id, version)
+        if name not in manifest.files:
+            raise DataflowError(404, f"{name!r} is not a file of {model_id} version {version}",
+                                field="name")
+        return manifest.files[name]

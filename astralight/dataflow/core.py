@@ -1,0 +1,509 @@
+"""The dataflow service's state machine, independent of HTTP.
+
+:class:`Dataflow` owns the prompt sources, task leases, fresh queues, served batches, policy
+versions, weight files and eval scheduling, and keeps all of it durable in a :class:`Store`. Every
+public method is one request: it takes the lock, does its work in one SQLite transaction and
+returns plain data, raising :class:`ServiceError` (a 4xx naming the field) for a bad request.
+In-memory structures (the fresh queues, the current versions) change only after the transaction
+committed, so a crash at any point leaves SQLite as the truth the next start rebuilds from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from astralight.dataflow import evals
+from astralight.dataflow.config import DataflowConfig, instantiate_plugin
+from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.queues import FreshQueue, QueueEntry
+from astralight.dataflow.store import Store
+from astralight.dataflow.weightfiles import WeightFiles, check_file_name
+from astralight.protocol import SCHEMA_VERSION, Batch, Sample, Task, WeightManifest, decode, encode
+from astralight.tasks.base import PromptSource
+
+log = logging.getLogger("astralight.dataflow")
+
+ADV_EPS = 1e-6
+MAX_LEASE_TASKS = 4096
+#: per-model_id counters (persisted in SQLite); stats report all of them, zero when never bumped
+COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_reissued",
+            "samples_accepted", "duplicates_ignored", "stale_dropped", "samples_served",
+            "batches_served", "samples_acked", "batches_acked", "batches_requeued",
+            "samples_requeued", "eval_samples_accepted", "eval_samples_ignored")
+
+
+class Dataflow:
+    """All service state behind one lock; see the module docstring."""
+
+    def __init__(self, config: DataflowConfig):
+        self.config = config
+        self.lock = threading.RLock()
+        self.state_dir = Path(config.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.source: PromptSource = instantiate_plugin(config.source, PromptSource, "source")
+        if len(self.source) < 1:
+            raise ValueError("source: the prompt source is empty")
+        self.eval_source: PromptSource | None = None
+        self.eval_prompts = 0
+        if config.eval.source is not None:
+            self.eval_source = instantiate_plugin(config.eval.source, PromptSource, "eval.source")
+            try:
+                self.eval_source.get(0)  # sources may build their list lazily; len() is final after
+            except IndexError:
+                raise ValueError("eval.source: the eval source is empty") from None
+            self.eval_prompts = evals.eval_size(self.eval_source)
+        self.store = Store(self.state_dir / "dataflow.db")
+        self.weights = WeightFiles(self.state_dir / "weights")
+        self.model_ids = list(config.model_ids)
+        stored = self.store.latest_versions()
+        self.versions = {m: stored.get(m, 0) for m in self.model_ids}
+        self.queues = {m: FreshQueue(config.queue_order, config.max_staleness) for m in self.model_ids}
+        self._rebuild_queues()
+        self.open_train = self.store.count_open_tasks("train")
+        with self.store.tx():
+            for m in self.model_ids:  # version 0 at a fresh start; any version a crash left unscheduled
+                self._maybe_schedule_eval(m, self.versions[m], time.time())
+        log.info("dataflow state in %s: versions %s, queued %s, open train tasks %d",
+                 self.state_dir, self.versions, {m: len(q) for m, q in self.queues.items()},
+                 self.open_train)
+
+    def _rebuild_queues(self) -> None:
+        for row in self.store.queued_samples():
+            queue = self.queues.get(row["model_id"])
+            if queue is None:
+                log.warning("queued sample %d of model_id %r not in this config's model_ids; left in "
+                            "the store", row["id"], row["model_id"])
+                continue
+            queue.push(QueueEntry(row["id"], row["min_version"], decode(bytes(row["blob"]))))
+
+    def close(self) -> None:
+        with self.lock:
+            self.store.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _model(self, model_id, field: str = "model_id") -> str:
+        if model_id not in self.queues:
+            raise ServiceError(404, field, f"unknown model_id {model_id!r}; this service serves "
+                                           f"{self.model_ids}")
+        return model_id
+
+    def _instance(self, instance_id: str):
+        row = self.store.instance(instance_id)
+        if row is None:
+            raise ServiceError(404, "instance_id", f"unknown instance {instance_id!r}; "
+                                                   "call register first")
+        return row
+
+    def _maybe_schedule_eval(self, model_id: str, version: int, now: float) -> int:
+        if self.eval_source is None or version % self.config.eval.every:
+            return 0
+        n = evals.schedule(self.store, self.eval_source, model_id, version, self.model_ids,
+                           self.config.eval.k, self.config.workflow, now)
+        if n:
+            log.info("scheduled %d eval tasks for %s version %d", n, model_id, version)
+        return n
+
+    # ------------------------------------------------------------------ info
+
+    def info(self) -> dict:
+        cfg = self.config
+        return {"service": "astralight-dataflow", "schema": SCHEMA_VERSION,
+                "model_ids": self.model_ids, "versions": dict(self.versions),
+                "workflow": cfg.workflow, "group_size": cfg.group_size,
+                "lease_seconds": cfg.lease_seconds, "max_staleness": cfg.max_staleness,
+                "queue_order": cfg.queue_order, "max_buffered_samples": cfg.max_buffered_samples,
+                "max_body_bytes": cfg.max_body_bytes,
+                "max_weight_file_bytes": cfg.max_weight_file_bytes,
+                "eval": {"enabled": self.eval_source is not None, "every": cfg.eval.every,
+                         "k": cfg.eval.k, "n_prompts": self.eval_prompts}}
+
+    # ------------------------------------------------------------------ RaaS side
+
+    def register(self, model_ids: list[str], capacity: int, instance_id: str | None,
+                 meta: dict) -> dict:
+        if not model_ids:
+            raise ServiceError(422, "model_ids", "must list the model_ids this instance serves")
+        for m in model_ids:
+            self._model(m, "model_ids")
+        if capacity < 0:
+            raise ServiceError(422, "capacity", "must be >= 0")
+        instance_id = instance_id or f"raas-{uuid.uuid4().hex[:12]}"
+        with self.lock, self.store.tx():
+            self.store.upsert_instance(instance_id, list(model_ids), capacity, meta, time.time())
+        log.info("instance %s registered for %s (capacity %d)", instance_id, model_ids, capacity)
+        return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
+                "versions": dict(self.versions)}
+
+    def heartbeat(self, instance_id: str) -> dict:
+        with self.lock:
+            self._instance(instance_id)
+            with self.store.tx():
+                self.store.touch_instance(instance_id, time.time())
+            return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
+                    "versions": dict(self.versions)}
+
+    def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
+        """Lease up to ``max_tasks``: expired or pending eval tasks, then train tasks, then new ones.
+
+        A task whose lease expired is handed out again (once per expiry: the new lease has a new
+        deadline); new train tasks are drawn from the source only while fewer than
+        ``max_inflight_tasks`` are open and some policy's queue plus what the open tasks will
+        deliver stays under ``max_buffered_samples``.
+        """
+        if not 0 <= max_tasks <= MAX_LEASE_TASKS:
+            raise ServiceError(422, "max_tasks", f"must be in [0, {MAX_LEASE_TASKS}]")
+        cfg = self.config
+        with self.lock:
+            inst = self._instance(instance_id)
+            served = set(json.loads(inst["model_ids"]))
+            now = time.time()
+            deadline = now + cfg.lease_seconds
+            out: list[Task] = []
+            with self.store.tx():
+                for kind in ("eval", "train"):
+                    if len(out) >= max_tasks:
+                        break
+                    for row in self.store.leasable_tasks(kind, now):
+                        if len(out) >= max_tasks:
+                            break
+                        if set(json.loads(row["model_ids"])) <= served:
+                            out.append(self._issue(row, instance_id, deadline))
+                created = 0
+                while (len(out) < max_tasks and set(self.model_ids) <= served
+                       and self._may_create_train_task(self.open_train + created)):
+                    row = self._create_train_task(now)
+                    created += 1
+                    out.append(self._issue(row, instance_id, deadline))
+                self.store.touch_instance(instance_id, now, leased=len(out))
+            self.open_train += created
+            return out
+
+    def _may_create_train_task(self, open_train: int) -> bool:
+        cfg = self.config
+        if open_train >= cfg.max_inflight_tasks:
+            return False
+        expected = open_train * cfg.group_size
+        return any(len(q) + expected < cfg.max_buffered_samples for q in self.queues.values())
+
+    def _create_train_task(self, now: float):
+        cursor = int(self.store.get_meta("source_cursor", 0))
+        prompt = self.source.get(cursor % len(self.source))
+        task = Task(task_id=f"train:{cursor}", prompt=prompt.prompt, n=self.config.group_size,
+                    model_ids=list(self.model_ids), workflow=self.config.workflow, kind="train",
+                    metadata=dict(prompt.metadata))
+        self.store.insert_task(task.task_id, "train", task.model_ids, encode(task), now,
+                               prompt_index=cursor)
+        self.store.set_meta("source_cursor", cursor + 1)
+        return self.store.task(task.task_id)
+
+    def _issue(self, row, instance_id: str, deadline: float) -> Task:
+        task: Task = decode(bytes(row["payload"]))
+        task.lease_deadline = deadline
+        self.store.mark_leased(row["task_id"], instance_id, deadline)
+        prefix = "eval_" if row["kind"] == "eval" else ""
+        name = "tasks_reissued" if row["lease_count"] > 0 else "tasks_issued"
+        for m in json.loads(row["model_ids"]):
+            self.store.bump(m, prefix + name)
+        if row["lease_count"] > 0:
+            log.info("re-issued %s to %s (lease %d expired)", row["task_id"], instance_id,
+                     row["lease_count"])
+        return task
+
+    def push(self, instance_id: str, task_id: str, samples: list[Sample]) -> dict:
+        """Accept a task's samples once; later pushes of the same task are ignored (duplicate)."""
+        with self.lock:
+            self._instance(instance_id)
+            row = self.store.task(task_id)
+            if row is None:
+                raise ServiceError(404, "task_id", f"unknown task {task_id!r}")
+            model_ids = json.loads(row["model_ids"])
+            now = time.time()
+            if row["state"] == "done":
+                with self.store.tx():
+                    for m in model_ids:
+                        self.store.bump(m, "duplicates_ignored")
+                    self.store.touch_instance(instance_id, now)
+                return {"accepted": 0, "duplicate": True}
+            if row["lease_count"] == 0:
+                raise ServiceError(409, "task_id", f"task {task_id!r} was never leased")
+            self._validate_samples(row, model_ids, samples)
+            _group_stats(samples)
+            entries: list[QueueEntry] = []
+            with self.store.tx():
+                if row["kind"] == "eval":  # scored, never queued for training
+                    self._record_eval(row, samples, now)
+                else:
+                    for s in samples:
+                        mv = s.min_version
+                        sid = self.store.insert_sample(task_id, s.model_id, s.sample_index, mv,
+                                                       s.reward, encode(s), now)
+                        entries.append(QueueEntry(sid, mv, s))
+                        self.store.bump(s.model_id, "samples_accepted")
+                self.store.mark_done(task_id, now)
+                self.store.touch_instance(instance_id, now, pushed=len(samples))
+            # committed: only now does the in-memory state follow
+            if row["kind"] == "train":
+                self.open_train -= 1
+            for e in entries:
+                self.queues[e.sample.model_id].push(e)
+            return {"accepted": len(samples), "duplicate": False}
+
+    def _validate_samples(self, row, model_ids: list[str], samples: list[Sample]) -> None:
+        limit = decode(bytes(row["payload"])).n * len(model_ids) * self.config.max_samples_per_rollout
+        if not samples:
+            raise ServiceError(422, "samples", "must hold at least one sample")
+        if len(samples) > limit:
+            raise ServiceError(422, "samples", f"{len(samples)} samples for one task exceeds "
+                                               f"n * len(model_ids) * max_samples_per_rollout = {limit}")
+        seen = set()
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise ServiceError(422, f"samples[{i}]", "expected a Sample")
+            if s.task_id != row["task_id"]:
+                raise ServiceError(422, f"samples[{i}].task_id",
+                                   f"{s.task_id!r} does not match the pushed task {row['task_id']!r}")
+            if s.model_id not in model_ids:
+                raise ServiceError(422, f"samples[{i}].model_id",
+                                   f"unknown model_id {s.model_id!r}; task serves {model_ids}")
+            key = (s.model_id, s.sample_index)
+            if key in seen:
+                raise ServiceError(422, f"samples[{i}].sample_index",
+                                   f"sample_index {s.sample_index} of {s.model_id!r} repeats")
+            seen.add(key)
+            gen = s.versions[s.loss_mask.astype(bool)]
+            if gen.size and int(gen.max()) > self.versions[s.model_id]:
+                raise ServiceError(422, f"samples[{i}].versions",
+                                   f"version {int(gen.max())} is newer than the published version "
+                                   f"{self.versions[s.model_id]} of {s.model_id!r}")
+
+    def _record_eval(self, row, samples: list[Sample], now: float) -> None:
+        target = row["target_model"]
+        mine = [s for s in samples if s.model_id == target]
+        if len(mine) < len(samples):
+            self.store.bump(target, "eval_samples_ignored", len(samples) - len(mine))
+        if not mine:
+            return
+        report = evals.summarize(mine)
+        self.store.insert_eval_report(target, row["eval_version"], row["prompt_index"],
+                                      row["task_id"], now=now, **report)
+        self.store.bump(target, "eval_samples_accepted", len(mine))
+
+    # ------------------------------------------------------------------ trainer side
+
+    def check_pull(self, model_id: str, size: int) -> None:
+        self._model(model_id)
+        if not 1 <= size <= self.config.max_buffered_samples:
+            raise ServiceError(422, "size", f"must be in [1, max_buffered_samples="
+                                            f"{self.config.max_buffered_samples}]; raise "
+                                            "max_buffered_samples to pull bigger batches")
+
+    def pull(self, model_id: str, size: int, trainer_id: str | None = None) -> Batch | None:
+        """Serve exactly ``size`` fresh samples as a recorded batch, or None (stale ones dropped)."""
+        self.check_pull(model_id, size)
+        with self.lock:
+            version = self.versions[model_id]
+            queue = self.queues[model_id]
+            chosen, dropped = queue.take(size, version)
+            if chosen is None and not dropped:
+                return None
+            batch_id = uuid.uuid4().hex
+            try:
+                with self.store.tx():
+                    self._record_stale(model_id, dropped)
+                    if chosen is not None:
+                        self.store.insert_batch(batch_id, model_id, trainer_id, version, size,
+                                                time.time())
+                        self.store.set_sample_state([e.sample_id for e in chosen], "served",
+                                                    batch_id)
+                        self.store.bump(model_id, "samples_served", size)
+                        self.store.bump(model_id, "batches_served")
+            except BaseException:
+                for e in (chosen or []) + dropped:  # the store was not changed: neither is the queue
+                    queue.push(e)
+                raise
+            if chosen is None:
+                return None
+            return Batch(batch_id=batch_id, model_id=model_id, policy_version=version,
+                         samples=[e.sample for e in chosen])
+
+    def _record_stale(self, model_id: str, dropped: list[QueueEntry]) -> None:
+        if dropped:
+            self.store.set_sample_state([e.sample_id for e in dropped], "stale")
+            self.store.bump(model_id, "stale_dropped", len(dropped))
+            log.info("dropped %d stale samples of %s (current version %d, max_staleness %d)",
+                     len(dropped), model_id, self.versions[model_id], self.config.max_staleness)
+
+    def ack(self, batch_id: str) -> dict:
+        """Mark a batch trained. A late ack of a re-queued batch also removes its samples that
+        are still waiting in the queue (they were trained after all)."""
+        with self.lock:
+            row = self.store.batch(batch_id)
+            if row is None:
+                raise ServiceError(404, "batch_id", f"unknown batch {batch_id!r}")
+            if row["state"] == "acked":
+                return {"acked": True, "already": True}
+            mid = row["model_id"]
+            rows = self.store.batch_samples(batch_id, ("served", "queued"))
+            ids = [r["id"] for r in rows]
+            with self.store.tx():
+                self.store.set_sample_state(ids, "acked")
+                self.store.set_batch_state(batch_id, "acked", time.time())
+                self.store.bump(mid, "samples_acked", len(ids))
+                self.store.bump(mid, "batches_acked")
+            self.queues[mid].remove([r["id"] for r in rows if r["state"] == "queued"])
+            return {"acked": True, "already": False, "samples": len(ids)}
+
+    def requeue_expired_batches(self, now: float | None = None) -> set[str]:
+        """Put the samples of batches not acked within ``batch_ack_timeout_s`` back in their
+        queues (at their original place in the order). Returns the model_ids that got samples."""
+        now = time.time() if now is None else now
+        woken: set[str] = set()
+        with self.lock:
+            for batch in self.store.batches_served_before(now - self.config.batch_ack_timeout_s):
+                mid = batch["model_id"]
+                rows = self.store.batch_samples(batch["batch_id"], ("served",))
+                with self.store.tx():
+                    self.store.set_sample_state([r["id"] for r in rows], "queued")
+                    self.store.set_batch_state(batch["batch_id"], "requeued")
+                    self.store.bump(mid, "batches_requeued")
+                    self.store.bump(mid, "samples_requeued", len(rows))
+                if mid in self.queues:
+                    for r in rows:
+                        self.queues[mid].push(QueueEntry(r["id"], r["min_version"],
+                                                         decode(bytes(r["blob"]))))
+                    woken.add(mid)
+                log.warning("batch %s of %s not acked within %.0f s: %d samples re-queued",
+                            batch["batch_id"], mid, self.config.batch_ack_timeout_s, len(rows))
+        return woken
+
+    # ------------------------------------------------------------------ versions and weights
+
+    def current_version(self, model_id: str) -> int:
+        return self.versions[self._model(model_id)]
+
+    def check_upload(self, model_id: str, version: int, name: str) -> None:
+        self._model(model_id)
+        check_file_name(name)
+        if version <= self.versions[model_id]:
+            raise ServiceError(409, "version", f"version {version} of {model_id!r} is not newer than "
+                                               f"the current version {self.versions[model_id]}; "
+                                               "published versions are immutable")
+
+    def commit_upload(self, tmp: Path, model_id: str, version: int, name: str, sha256: str) -> None:
+        """Move an uploaded file into place unless its version got published meanwhile."""
+        self.weights.fsync(tmp)  # outside the lock: may take seconds for a big file
+        with self.lock:
+            try:
+                self.check_upload(model_id, version, name)
+            except ServiceError:
+                self.weights.discard(tmp)
+                raise
+            self.weights.commit(tmp, model_id, version, name, sha256)
+
+    def publish(self, manifest: WeightManifest) -> dict:
+        """Record version N of a policy after checking its files; versions only move forward."""
+        mid = self._model(manifest.model_id, "manifest.model_id")
+        with self.lock:
+            current = self.versions[mid]
+            if manifest.version <= current:
+                raise ServiceError(409, "manifest.version",
+                                   f"version {manifest.version} of {mid!r} is not newer than the "
+                                   f"current version {current}; versions only move forward")
+            if manifest.kind == "delta" and manifest.base_version > current:
+                raise ServiceError(422, "manifest.base_version",
+                                   f"base version {manifest.base_version} is not published "
+                                   f"(current {current})")
+            if not manifest.files:
+                raise ServiceError(422, "manifest.files", "must list at least one file")
+            for name, info in manifest.files.items():
+                field = f"manifest.files[{name}]"
+                got = self.weights.sha256(mid, manifest.version, name)
+                if got is None:
+                    raise ServiceError(422, field, f"was not uploaded; PUT it to /v1/weights/{mid}/"
+                                                   f"{manifest.version}/{name} first")
+                if got[0] != info["sha256"]:
+                    raise ServiceError(422, f"{field}.sha256",
+                                       f"uploaded file has sha256 {got[0]}, manifest says {info['sha256']}")
+                if info.get("bytes") is not None and info["bytes"] != got[1]:
+                    raise ServiceError(422, f"{field}.bytes",
+                                       f"uploaded file has {got[1]} bytes, manifest says {info['bytes']}")
+            now = time.time()
+            manifest.created = manifest.created or now
+            with self.store.tx():
+                self.store.insert_version(mid, manifest.version, encode(manifest), now)
+                n_evals = self._maybe_schedule_eval(mid, manifest.version, now)
+            self.versions[mid] = manifest.version
+            dropped = self.queues[mid].drop_stale(manifest.version)
+            if dropped:
+                with self.store.tx():
+                    self._record_stale(mid, dropped)
+            log.info("published %s version %d (%s, %d files)", mid, manifest.version, manifest.kind,
+                     len(manifest.files))
+            return {"model_id": mid, "version": manifest.version, "evals_scheduled": n_evals}
+
+    def manifest(self, model_id: str, version: int | None = None) -> WeightManifest | None:
+        self._model(model_id)
+        with self.lock:
+            blob = self.store.manifest_blob(model_id, version)
+        return decode(blob) if blob is not None else None
+
+    def weight_file(self, model_id: str, version: int, name: str) -> tuple[Path, dict]:
+        """Path and manifest entry of a file of a published version (404 otherwise)."""
+        manifest = self.manifest(model_id, version)
+        if manifest is None:
+            raise ServiceError(404, "version", f"version {version} of {model_id!r} is not published")
+        if name not in manifest.files:
+            raise ServiceError(404, "name", f"{name!r} is not a file of {model_id!r} version {version}")
+        return self.weights.path(model_id, version, name), manifest.files[name]
+
+    # ------------------------------------------------------------------ observation
+
+    def eval_results(self, model_id: str) -> dict[int, dict]:
+        self._model(model_id)
+        with self.lock:
+            return evals.aggregate(self.store, model_id)
+
+    def stats(self) -> dict:
+        with self.lock:
+            counters = self.store.counters()
+            outstanding = self.store.outstanding_batches()
+            now = time.time()
+            models = {}
+            for m in self.model_ids:
+                c = dict.fromkeys(COUNTERS, 0)
+                c.update(counters.get(m, {}))
+                c.update(queue_depth=len(self.queues[m]), current_version=self.versions[m],
+                         batches_outstanding=outstanding.get(m, 0))
+                models[m] = c
+            instances = [{"instance_id": r["instance_id"], "model_ids": json.loads(r["model_ids"]),
+                          "capacity": r["capacity"], "last_seen": r["last_seen"],
+                          "idle_s": round(now - r["last_seen"], 3), "tasks_leased": r["tasks_leased"],
+                          "samples_pushed": r["samples_pushed"]} for r in self.store.instances()]
+            return {"time": now, "models": models, "instances": instances,
+                    "tasks": {"open_train": self.open_train,
+                              "open_eval": self.store.count_open_tasks("eval"),
+                              "source_cursor": int(self.store.get_meta("source_cursor", 0))}}
+
+
+def _group_stats(samples: list[Sample]) -> None:
+    """Group-normalised advantages per model_id within one task: (r - mean) / (std + eps)."""
+    groups: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        groups[s.model_id].append(s)
+    for group in groups.values():
+        rewards = np.array([s.reward for s in group], dtype=np.float64)
+        mean, std = float(rewards.mean()), float(rewards.std())
+        for s in group:
+            s.group_mean, s.group_std = mean, std
+            s.advantage = (s.reward - mean) / (std + ADV_EPS)
+
+

@@ -1,0 +1,112 @@
+"""Held-out evaluation: scheduling eval tasks for a policy version and scoring what comes back.
+
+When version ``v`` of a policy is published (and for version 0 at start-up) and
+``v % eval.every == 0``, every prompt of the eval source becomes one eval task asking for ``k``
+samples. Eval tasks are leased before train tasks; their samples never enter a training queue.
+Each pushed eval task leaves one compact report row (samples, correct samples, reward sum and the
+policy versions that actually generated the tokens); the results are aggregated on read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from astralight.dataflow.store import Store
+from astralight.protocol import Sample, Task, encode
+from astralight.tasks.base import PromptSource
+
+#: a sample counts as correct for pass@k when its reward exceeds this
+CORRECT_THRESHOLD = 0.5
+#: refuse eval sources larger than this: an eval set must be finite and cheap to re-run
+MAX_EVAL_PROMPTS = 100_000
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimator (Chen et al., 2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    With ``n == k`` samples (how eval tasks are issued) it is simply "any sample correct". If a
+    workflow returned fewer than ``k`` samples, any-correct over those is the best available.
+    """
+    if n <= 0:
+        return 0.0
+    if n < k:
+        return 1.0 if c > 0 else 0.0
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_task_id(model_id: str, version: int, prompt_index: int) -> str:
+    return f"eval:{model_id}:v{version}:{prompt_index}"
+
+
+def eval_size(source: PromptSource) -> int:
+    n = len(source)
+    if n > MAX_EVAL_PROMPTS:
+        raise ValueError(f"eval.source: {type(source).__name__} has {n} prompts; an eval source must "
+                         f"be finite (at most {MAX_EVAL_PROMPTS}), e.g. ArithmeticSource(split=eval)")
+    return n
+
+
+def schedule(store: Store, source: PromptSource, model_id: str, version: int,
+             model_ids: list[str], k: int, workflow: str, now: float) -> int:
+    """Insert the eval tasks of ``(model_id, version)`` (once; inside the caller's transaction).
+
+    The evaluated policy comes first in ``Task.model_ids``; other policies follow so that a
+    multi-policy workflow still finds every engine it needs. Returns the number of tasks created.
+    """
+    if store.eval_run_exists(model_id, version):
+        return 0
+    order = [model_id] + [m for m in model_ids if m != model_id]
+    n = eval_size(source)
+    for i in range(n):
+        prompt = source.get(i)
+        task = Task(task_id=eval_task_id(model_id, version, i), prompt=prompt.prompt, n=k,
+                    model_ids=order, workflow=workflow, kind="eval", eval_version=version,
+                    metadata=dict(prompt.metadata))
+        store.insert_task(task.task_id, "eval", order, encode(task), now, prompt_index=i,
+                          target_model=model_id, eval_version=version)
+    store.insert_eval_run(model_id, version, n, k, now)
+    return n
+
+
+def summarize(samples: list[Sample]) -> dict:
+    """One prompt's report: counts, reward sum and the versions that generated its tokens."""
+    gen = [s.versions[s.loss_mask.astype(bool)] for s in samples]
+    gen = np.concatenate(gen) if gen else np.zeros(0, np.int32)
+    gen = gen[gen >= 0]
+    return {
+        "n_samples": len(samples),
+        "n_correct": sum(1 for s in samples if s.reward > CORRECT_THRESHOLD),
+        "sum_reward": float(sum(s.reward for s in samples)),
+        "min_version": int(gen.min()) if gen.size else None,
+        "max_version": int(gen.max()) if gen.size else None,
+    }
+
+
+def aggregate(store: Store, model_id: str) -> dict[int, dict]:
+    """Results per eval version: ``avg_at_k`` (mean reward of all samples), ``pass_at_k`` (mean over
+    reported prompts), ``complete`` once every prompt reported, and the generating versions."""
+    out: dict[int, dict] = {}
+    for run in store.eval_runs(model_id):
+        reports = store.eval_reports(model_id, run["version"])
+        k = run["k"]
+        n_samples = sum(r["n_samples"] for r in reports)
+        mins = [r["min_version"] for r in reports if r["min_version"] is not None]
+        maxs = [r["max_version"] for r in reports if r["max_version"] is not None]
+        out[run["version"]] = {
+            "avg_at_k": sum(r["sum_reward"] for r in reports) / n_samples if n_samples else 0.0,
+            "pass_at_k": (sum(pass_at_k(r["n_samples"], r["n_correct"], k) for r in reports)
+                          / len(reports)) if reports else 0.0,
+            "k": k,
+            "n_prompts": run["n_prompts"],
+            "n_reported": len(reports),
+            "n_samples": n_samples,
+            "complete": len(reports) >= run["n_prompts"],
+            "min_version": min(mins) if mins else None,
+            "max_version": max(maxs) if maxs else None,
+            "scheduled_at": run["scheduled_at"],
+        }
+    return out

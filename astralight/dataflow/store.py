@@ -1,0 +1,272 @@
+"""Durable state of the dataflow service: one SQLite file in WAL mode.
+
+Everything that must survive ``kill -9`` lives here: tasks and their leases, accepted samples (the
+msgpack-encoded :class:`Sample`), served batches until acknowledged, published versions and their
+manifests, eval reports, counters, the prompt-source cursor and registered instances. The
+in-memory fresh queues are a cache rebuilt from the ``samples`` table on start.
+
+``synchronous=FULL`` makes every commit fsync the WAL, so a push is answered only once its samples
+are on disk. The store is not thread-safe on its own: the service core serialises all access with
+one lock (SQLite serialises writers anyway) and wraps each request in one :meth:`Store.tx`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS instances (
+    instance_id TEXT PRIMARY KEY, model_ids TEXT NOT NULL, capacity INTEGER NOT NULL,
+    meta TEXT NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
+    tasks_leased INTEGER NOT NULL DEFAULT 0, samples_pushed INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS tasks (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL UNIQUE, kind TEXT NOT NULL,
+    model_ids TEXT NOT NULL, target_model TEXT, eval_version INTEGER, prompt_index INTEGER,
+    payload BLOB NOT NULL, state TEXT NOT NULL, instance_id TEXT, deadline REAL,
+    lease_count INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, done_at REAL);
+CREATE INDEX IF NOT EXISTS tasks_open ON tasks(kind, state, seq);
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, model_id TEXT NOT NULL,
+    sample_index INTEGER NOT NULL, min_version INTEGER NOT NULL, reward REAL NOT NULL,
+    state TEXT NOT NULL, batch_id TEXT, blob BLOB NOT NULL, created REAL NOT NULL,
+    UNIQUE(task_id, model_id, sample_index));
+CREATE INDEX IF NOT EXISTS samples_state ON samples(state, model_id, id);
+CREATE INDEX IF NOT EXISTS samples_batch ON samples(batch_id);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, trainer_id TEXT,
+    policy_version INTEGER NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL,
+    served_at REAL NOT NULL, acked_at REAL);
+CREATE INDEX IF NOT EXISTS batches_state ON batches(state, served_at);
+CREATE TABLE IF NOT EXISTS versions (
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, manifest BLOB NOT NULL,
+    published_at REAL NOT NULL, PRIMARY KEY(model_id, version));
+CREATE TABLE IF NOT EXISTS eval_runs (
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, n_prompts INTEGER NOT NULL,
+    k INTEGER NOT NULL, scheduled_at REAL NOT NULL, PRIMARY KEY(model_id, version));
+CREATE TABLE IF NOT EXISTS eval_reports (
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, prompt_index INTEGER NOT NULL,
+    task_id TEXT NOT NULL, n_samples INTEGER NOT NULL, n_correct INTEGER NOT NULL,
+    sum_reward REAL NOT NULL, min_version INTEGER, max_version INTEGER,
+    reported_at REAL NOT NULL, PRIMARY KEY(model_id, version, prompt_index));
+CREATE TABLE IF NOT EXISTS counters (
+    model_id TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
+    PRIMARY KEY(model_id, name));
+"""
+
+
+class Store:
+    """A SQLite database under ``state_dir``; see the module docstring for what it holds."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per request.
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.conn.row_factory = sqlite3.Row
+        mode = self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise RuntimeError(f"state_dir: SQLite at {self.path} refused WAL mode (got {mode}); "
+                               "put state_dir on a local file system")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA busy_timeout=10000")
+        self.conn.executescript(SCHEMA)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; committed (and fsynced) on exit, rolled back on error."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            self.conn.close()
+
+    # ------------------------------------------------------------------ meta and counters
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return json.loads(row["value"]) if row else default
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.conn.execute("INSERT INTO meta(key, value) VALUES(?, ?) "
+                          "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                          (key, json.dumps(value)))
+
+    def bump(self, model_id: str, name: str, k: int = 1) -> None:
+        """Add ``k`` to counter ``name`` of ``model_id`` (inside the caller's transaction)."""
+        if k:
+            self.conn.execute("INSERT INTO counters(model_id, name, value) VALUES(?, ?, ?) "
+                              "ON CONFLICT(model_id, name) DO UPDATE SET value=value+excluded.value",
+                              (model_id, name, k))
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for row in self.conn.execute("SELECT model_id, name, value FROM counters"):
+            out.setdefault(row["model_id"], {})[row["name"]] = row["value"]
+        return out
+
+    # ------------------------------------------------------------------ instances
+
+    def instance(self, instance_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM instances WHERE instance_id=?",
+                                 (instance_id,)).fetchone()
+
+    def upsert_instance(self, instance_id: str, model_ids: list[str], capacity: int, meta: dict,
+                        now: float) -> None:
+        self.conn.execute(
+            "INSERT INTO instances(instance_id, model_ids, capacity, meta, registered_at, last_seen)"
+            " VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(instance_id) DO UPDATE SET"
+            " model_ids=excluded.model_ids, capacity=excluded.capacity, meta=excluded.meta,"
+            " last_seen=excluded.last_seen",
+            (instance_id, json.dumps(model_ids), capacity, json.dumps(meta), now, now))
+
+    def touch_instance(self, instance_id: str, now: float, leased: int = 0, pushed: int = 0) -> None:
+        self.conn.execute("UPDATE instances SET last_seen=?, tasks_leased=tasks_leased+?,"
+                          " samples_pushed=samples_pushed+? WHERE instance_id=?",
+                          (now, leased, pushed, instance_id))
+
+    def instances(self) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM instances ORDER BY registered_at").fetchall()
+
+    # ------------------------------------------------------------------ tasks
+
+    def insert_task(self, task_id: str, kind: str, model_ids: list[str], payload: bytes, now: float,
+                    prompt_index: int | None = None, target_model: str | None = None,
+                    eval_version: int | None = None) -> None:
+        self.conn.execute(
+            "INSERT INTO tasks(task_id, kind, model_ids, target_model, eval_version, prompt_index,"
+            " payload, state, created) VALUES(?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (task_id, kind, json.dumps(model_ids), target_model, eval_version, prompt_index,
+             payload, now))
+
+    def task(self, task_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM tasks WHERE task_id=?", (task_id,)).fetchone()
+
+    def leasable_tasks(self, kind: str, now: float) -> list[sqlite3.Row]:
+        """Tasks of ``kind`` never leased or whose lease expired, oldest first."""
+        return self.conn.execute(
+            "SELECT * FROM tasks WHERE kind=? AND (state='pending' OR (state='leased' AND deadline<?))"
+            " ORDER BY seq", (kind, now)).fetchall()
+
+    def mark_leased(self, task_id: str, instance_id: str, deadline: float) -> None:
+        self.conn.execute("UPDATE tasks SET state='leased', instance_id=?, deadline=?,"
+                          " lease_count=lease_count+1 WHERE task_id=?",
+                          (instance_id, deadline, task_id))
+
+    def mark_done(self, task_id: str, now: float) -> None:
+        self.conn.execute("UPDATE tasks SET state='done', done_at=? WHERE task_id=?", (now, task_id))
+
+    def count_open_tasks(self, kind: str) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM tasks WHERE kind=? AND state!='done'",
+                                 (kind,)).fetchone()[0]
+
+    # ------------------------------------------------------------------ samples
+
+    def insert_sample(self, task_id: str, model_id: str, sample_index: int, min_version: int,
+                      reward: float, blob: bytes, now: float) -> int:
+        cur = self.conn.execute(
+            "INSERT INTO samples(task_id, model_id, sample_index, min_version, reward, state, blob,"
+            " created) VALUES(?, ?, ?, ?, ?, 'queued', ?, ?)",
+            (task_id, model_id, sample_index, min_version, reward, blob, now))
+        return int(cur.lastrowid)
+
+    def queued_samples(self) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT id, model_id, min_version, blob FROM samples"
+                                 " WHERE state='queued' ORDER BY id").fetchall()
+
+    def set_sample_state(self, ids: list[int], state: str, batch_id: str | None = None) -> None:
+        self.conn.executemany("UPDATE samples SET state=?, batch_id=COALESCE(?, batch_id) WHERE id=?",
+                              [(state, batch_id, i) for i in ids])
+
+    def batch_samples(self, batch_id: str, states: tuple[str, ...]) -> list[sqlite3.Row]:
+        marks = ",".join("?" * len(states))
+        return self.conn.execute(f"SELECT id, model_id, min_version, state, blob FROM samples"
+                                 f" WHERE batch_id=? AND state IN ({marks}) ORDER BY id",
+                                 (batch_id, *states)).fetchall()
+
+    # ------------------------------------------------------------------ batches
+
+    def insert_batch(self, batch_id: str, model_id: str, trainer_id: str | None, version: int,
+                     n: int, now: float) -> None:
+        self.conn.execute("INSERT INTO batches(batch_id, model_id, trainer_id, policy_version, n,"
+                          " state, served_at) VALUES(?, ?, ?, ?, ?, 'served', ?)",
+                          (batch_id, model_id, trainer_id, version, n, now))
+
+    def batch(self, batch_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+
+    def set_batch_state(self, batch_id: str, state: str, now: float | None = None) -> None:
+        self.conn.execute("UPDATE batches SET state=?, acked_at=COALESCE(?, acked_at)"
+                          " WHERE batch_id=?", (state, now, batch_id))
+
+    def batches_served_before(self, cutoff: float) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM batches WHERE state='served' AND served_at<?"
+                                 " ORDER BY served_at", (cutoff,)).fetchall()
+
+    def outstanding_batches(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT model_id, COUNT(*) FROM batches WHERE state='served'"
+                                 " GROUP BY model_id").fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    # ------------------------------------------------------------------ versions
+
+    def insert_version(self, model_id: str, version: int, manifest: bytes, now: float) -> None:
+        self.conn.execute("INSERT INTO versions(model_id, version, manifest, published_at)"
+                          " VALUES(?, ?, ?, ?)", (model_id, version, manifest, now))
+
+    def latest_versions(self) -> dict[str, int]:
+        rows = self.conn.execute("SELECT model_id, MAX(version) FROM versions GROUP BY model_id")
+        return {r[0]: r[1] for r in rows}
+
+    def manifest_blob(self, model_id: str, version: int | None = None) -> bytes | None:
+        if version is None:
+            row = self.conn.execute("SELECT manifest FROM versions WHERE model_id=?"
+                                    " ORDER BY version DESC LIMIT 1", (model_id,)).fetchone()
+        else:
+            row = self.conn.execute("SELECT manifest FROM versions WHERE model_id=? AND version=?",
+                                    (model_id, version)).fetchone()
+        return bytes(row[0]) if row else None
+
+    # ------------------------------------------------------------------ evals
+
+    def eval_run_exists(self, model_id: str, version: int) -> bool:
+        return self.conn.execute("SELECT 1 FROM eval_runs WHERE model_id=? AND version=?",
+                                 (model_id, version)).fetchone() is not None
+
+    def insert_eval_run(self, model_id: str, version: int, n_prompts: int, k: int,
+                        now: float) -> None:
+        self.conn.execute("INSERT INTO eval_runs(model_id, version, n_prompts, k, scheduled_at)"
+                          " VALUES(?, ?, ?, ?, ?)", (model_id, version, n_prompts, k, now))
+
+    def insert_eval_report(self, model_id: str, version: int, prompt_index: int, task_id: str,
+                           n_samples: int, n_correct: int, sum_reward: float,
+                           min_version: int | None, max_version: int | None, now: float) -> None:
+        self.conn.execute(
+            "INSERT OR IGNORE INTO eval_reports(model_id, version, prompt_index, task_id, n_samples,"
+            " n_correct, sum_reward, min_version, max_version, reported_at)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (model_id, version, prompt_index, task_id, n_samples, n_correct, sum_reward,
+             min_version, max_version, now))
+
+    def eval_runs(self, model_id: str) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM eval_runs WHERE model_id=? ORDER BY version",
+                                 (model_id,)).fetchall()
+
+    def eval_reports(self, model_id: str, version: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM eval_reports WHERE model_id=? AND version=?",
+                                 (model_id, version)).fetchall()

@@ -1,0 +1,107 @@
+"""The files behind the weight store's HTTP face: ``state_dir/weights/{model_id}/{version}/{name}``.
+
+Uploads are streamed into a temporary file in the target folder, hashed on the way, then fsynced
+and renamed into place, so a file either exists whole or not at all (a crash leaves only a ``.tmp``
+that the next upload of the same name replaces). Publication re-checks each file's sha256; the
+hash computed during upload is remembered (keyed by size and mtime) so a publish does not read
+gigabytes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+from astralight.dataflow.errors import ServiceError
+
+_CHUNK = 1 << 20
+
+
+def check_file_name(name: str, field: str = "name") -> str:
+    """A weight file name is one path component: no separators, no leading dot, no NUL."""
+    if (not isinstance(name, str) or not name or len(name) > 255 or "/" in name or "\\" in name
+            or "\x00" in name or name.startswith(".")):
+        raise ServiceError(422, field, f"bad weight file name {name!r}: use one plain file name "
+                                       "such as 'model.safetensors'")
+    return name
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WeightFiles:
+    """Weight files on local disk under ``root``."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._hashes: dict[Path, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, sha256)
+
+    def path(self, model_id: str, version: int, name: str) -> Path:
+        return self.root / model_id / str(int(version)) / check_file_name(name)
+
+    async def receive(self, model_id: str, version: int, name: str, chunks: AsyncIterator[bytes],
+                      limit: int) -> tuple[Path, str, int]:
+        """Stream ``chunks`` into a temp file next to the target; returns (temp, sha256, bytes).
+
+        Raises ServiceError 413 (and removes the temp file) once more than ``limit`` bytes arrive.
+        """
+        final = self.path(model_id, version, name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{name}.{uuid.uuid4().hex}.tmp"
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > limit:
+                        raise ServiceError(413, "body", f"weight file exceeds max_weight_file_bytes="
+                                                        f"{limit}; raise it in the dataflow config")
+                    digest.update(chunk)
+                    f.write(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp, digest.hexdigest(), size
+
+    @staticmethod
+    def fsync(tmp: Path) -> None:
+        """Flush an uploaded temp file to disk (slow for big files: call it off the event loop)."""
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+
+    def commit(self, tmp: Path, model_id: str, version: int, name: str, sha256: str) -> None:
+        """Atomically move an fsynced temp file into place (rename + directory fsync)."""
+        final = self.path(model_id, version, name)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        st = final.stat()
+        self._hashes[final] = (st.st_size, st.st_mtime_ns, sha256)
+
+    def discard(self, tmp: Path) -> None:
+        tmp.unlink(missing_ok=True)
+
+    def sha256(self, model_id: str, version: int, name: str) -> tuple[str, int] | None:
+        """(sha256, size) of a stored file, or None if it was never uploaded."""
+        path = self.path(model_id, version, name)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        cached = self._hashes.get(path)
+        if cached and cached[:2] == (st.st_size, st.st_mtime_ns):
+            return cached[2], st.st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK):
+                digest.update(block)
+        self._hashes[path] = (st.st_size, st.st_mtime_ns, digest.hexdigest())
+        return digest.hexdigest(), st.st_size

@@ -1,0 +1,79 @@
+"""Integration fixtures: the real dataflow service as a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import yaml
+
+from tests.conftest import free_port
+
+READY_LINE = "dataflow serving on http://"
+
+
+class ServiceHandle(NamedTuple):
+    url: str
+    proc: subprocess.Popen
+    config_path: Path
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def dataflow_service():
+    """Factory: ``dataflow_service(tmp_path, token=None, **config_overrides) -> (url, proc, config_path)``.
+
+    Writes ``tmp_path/dataflow-PORT.yaml`` (state_dir defaults to ``tmp_path/state``, so calling it
+    again with the same ``tmp_path`` restarts on the same state), runs
+    ``python -m astralight.dataflow.service --config ...`` with output in ``dataflow-PORT.log`` and
+    waits for the readiness line. ``token`` sets ASTRALIGHT_TOKEN for the service only. Every
+    process still running at teardown gets SIGTERM (then SIGKILL).
+    """
+    procs: list[subprocess.Popen] = []
+
+    def start(tmp_path: Path, token: str | None = None, ready_timeout: float = 60.0,
+              **overrides) -> ServiceHandle:
+        tmp_path = Path(tmp_path)
+        port = free_port()
+        config = {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "state"),
+                  "log_level": "INFO", **overrides}
+        config_path = tmp_path / f"dataflow-{port}.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        log_path = tmp_path / f"dataflow-{port}.log"
+        env = {k: v for k, v in os.environ.items() if k != "ASTRALIGHT_TOKEN"}
+        if token:
+            env["ASTRALIGHT_TOKEN"] = token
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "astralight.dataflow.service", "--config", str(config_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        procs.append(proc)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            text = log_path.read_text(errors="replace")
+            if READY_LINE in text:
+                url = text.split(READY_LINE, 1)[1].split()[0]
+                return ServiceHandle(f"http://{url}", proc, config_path)
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _stop(proc)
+                raise RuntimeError(f"dataflow service did not become ready (rc={proc.returncode}):\n"
+                                   f"{log_path.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.05)
+
+    yield start
+    for proc in procs:
+        _stop(proc)
