@@ -1,0 +1,488 @@
+"""``M2POPolicy``: the LightningModule that trains one policy on batches pulled from the dataflow.
+
+One trainer process per policy (``model_id``). Each training step takes one trainer batch (see
+``/work/notes/interfaces.md``: right-padded ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
+``versions``, per-sample ``advantages``), computes the policy's token log-probs at the sampling
+temperature, the objective (M2PO by default), and takes **one optimizer step**; then it
+acknowledges the batch to the dataflow, so a crash before the step re-serves it.
+
+Gradient accumulation and the whole-batch M2 statistic
+-------------------------------------------------------
+The M2 selection must see every token of the optimizer batch (all ranks, all micro-batches), but
+a backward pass must not wait for it. With ``micro_batch_size`` set, the module uses **manual
+optimization**: (1) a no-grad forward over the whole batch in micro-batches gives the log-probs,
+from which :meth:`loss_context` fixes the M2 keep mask (all-gathered across ranks), the loss
+normaliser (the batch's loss-token count) and, if ``kl_coef > 0``, the reference log-probs;
+(2) each micro-batch is run again with grad and back-propagated with that fixed context (DDP
+gradient sync only on the last one); (3) one clip + optimizer step. This costs one extra forward
+(~1/3 more compute) only when micro-batching; with ``micro_batch_size=None`` (or >= the batch) the
+single grad forward's detached log-probs feed the context directly. Dropout is disabled at load
+(``disable_dropout``) so that the two passes, and the ratio on fresh data, agree.
+
+Extension point
+---------------
+Subclass and override :meth:`compute_loss` (``(batch, logp) -> (loss, metrics)``) to plug in a new
+objective; override :meth:`loss_context` if it needs whole-batch statistics. ``batch`` there is a
+(micro-)batch of *shifted* tensors, all ``[b, T-1]`` and aligned with ``logp``:
+``mask`` (bool, trained tokens), ``logp_behaviour``, ``advantages`` (per token, 0 off mask),
+``versions``; plus ``sample_advantages`` / ``rewards`` ``[b]``, ``n_tokens`` (the normaliser:
+loss tokens of the whole optimizer batch over all ranks / world size) and whatever
+:meth:`loss_context` added. Return a loss normalised by ``batch["n_tokens"]`` so micro-batch
+losses add up to the batch loss; metric values are scalars (combined over micro-batches by a
+token-weighted mean, ``*_loss`` summed, ``*_max``/``*_min`` by max/min) and are logged as
+``train/<name>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
+from astralight.rl.kl import kl_penalty
+from astralight.rl.logprobs import causal_lm_logprobs
+from astralight.rl.m2po import (
+    all_reduce_sum,
+    m2_harmful_clip,
+    m2po_harmful_loss,
+    m2po_keep_mask,
+    m2po_loss,
+)
+from astralight.rl.ppo import ppo_clip_loss
+
+log = logging.getLogger(__name__)
+
+LOSSES = ("m2po", "m2po_harmful", "ppo_clip")
+_BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "versions",
+               "advantages", "rewards")
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
+    """Load a Hugging Face causal LM folder with float32 master weights (dropout off by default)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    if disable_dropout:
+        for name, value in list(vars(config).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    if disable_dropout:
+        _disable_dropout(model)
+    return model
+
+
+class M2POPolicy(pl.LightningModule):
+    """Trains one policy with M2PO (or its released variant, or PPO-clip) on dataflow batches.
+
+    Args:
+        model_path: Hugging Face model folder (the same folder the RaaS starts from: version 0).
+        model_id: the policy this trainer owns; batches of another ``model_id`` are refused.
+        loss: ``"m2po"`` (paper), ``"m2po_harmful"`` (released code's variant) or ``"ppo_clip"``.
+        m2_threshold: M2PO's second-moment budget on ``(log r)^2`` (paper default 0.04).
+        clip_eps: PPO clip range (``ppo_clip`` only); ``clip_eps_high``: DAPO clip-higher bound.
+        harmful_min_eps_low / harmful_min_eps_high: floors on the adaptive clip range of
+            ``m2po_harmful`` (the released code's ``miniclip_low/high``; unset in its scripts).
+        kl_coef: k3 KL penalty to the initial model; 0 loads no reference model.
+        temperature: sampling temperature of the behaviour policy; batches whose samples say
+            otherwise are refused (their behaviour log-probs would not be comparable).
+        lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
+        micro_batch_size: samples per forward/backward; ``None`` = the whole batch at once.
+        grad_clip: max global gradient norm (``None`` or 0: no clipping, norm still logged).
+        normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
+        seed: torch seed set at fit start.
+        gradient_checkpointing: trade compute for activation memory in the HF model.
+        disable_dropout: zero every dropout of the loaded model (recommended for RL).
+        logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        model_id: str = "policy",
+        loss: Literal["m2po", "m2po_harmful", "ppo_clip"] = "m2po",
+        m2_threshold: float = 0.04,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        harmful_min_eps_low: float | None = None,
+        harmful_min_eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        temperature: float = 1.0,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        micro_batch_size: int | None = None,
+        grad_clip: float | None = 1.0,
+        normalize_advantages: bool = False,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        logprob_chunk_tokens: int | None = None,
+    ):
+        super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
+        if temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        self.save_hyperparameters()
+        self.model_path = model_path
+        self.model_id = model_id
+        self.loss_name = loss
+        self.m2_threshold = m2_threshold
+        self.clip_eps = clip_eps
+        self.clip_eps_high = clip_eps_high
+        self.harmful_min_eps_low = harmful_min_eps_low
+        self.harmful_min_eps_high = harmful_min_eps_high
+        self.kl_coef = kl_coef
+        self.temperature = temperature
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.warmup_steps = warmup_steps
+        self.micro_batch_size = micro_batch_size
+        self.grad_clip = grad_clip
+        self.normalize_advantages = normalize_advantages
+        self.seed = seed
+        self.gradient_checkpointing = gradient_checkpointing
+        self.disable_dropout = disable_dropout
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.automatic_optimization = False
+        self.model: torch.nn.Module | None = None
+        # The reference model is kept out of the module tree: not trained, not checkpointed.
+        self._ref: list[torch.nn.Module] = []
+        self._last_step_end: float | None = None
+
+    # ------------------------------------------------------------------ model
+
+    def configure_model(self) -> None:
+        """Load the HF model (float32 master weights) once; Lightning calls this before fit."""
+        if self.model is not None:
+            return
+        self.model = load_causal_lm(self.model_path, self.disable_dropout)
+        self.model.train()  # from_pretrained returns eval mode; dropout is already zeroed
+        if self.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.kl_coef > 0 and not self._ref:
+            ref = load_causal_lm(self.model_path, disable_dropout=True).eval()
+            ref.requires_grad_(False)
+            self._ref.append(ref)
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The frozen initial model for the KL penalty (``None`` when ``kl_coef == 0``)."""
+        return self._ref[0] if self._ref else None
+
+    def on_fit_start(self) -> None:
+        torch.manual_seed(self.seed)
+        if self._ref:
+            self._ref[0].to(self.device)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Log-prob of every next token at the module temperature: ``[B, T-1]``."""
+        return causal_lm_logprobs(self.model, input_ids, attention_mask, self.temperature,
+                                  self.logprob_chunk_tokens)
+
+    def save_pretrained(self, path: str) -> None:
+        """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``)."""
+        from transformers import AutoTokenizer
+
+        self.model.save_pretrained(path, safe_serialization=True)
+        with contextlib.suppress(Exception):
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.lr, betas=self.betas,
+                                weight_decay=self.weight_decay)
+        warmup = max(0, int(self.warmup_steps))
+
+        def factor(step: int) -> float:
+            return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ batch handling
+
+    def check_batch(self, batch: dict) -> None:
+        """Refuse a batch this module cannot train on correctly, naming the field and the fix."""
+        if type(batch).__name__ == "PendingPull":
+            raise TypeError("got an unresolved PendingPull: pass the RolloutDataModule to fit() as "
+                            "datamodule=..., not its train_dataloader(), so it can pull batches")
+        missing = [k for k in _BATCH_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"trainer batch lacks {missing}; see interfaces.md 'Trainer batch'")
+        mid = batch.get("model_id")
+        if mid is not None and mid != self.model_id:
+            raise ValueError(
+                f"batch.model_id: got samples of {mid!r} but this module trains {self.model_id!r}; "
+                "set the datamodule's and the module's model_id to the same policy")
+        temps = batch.get("temperature")
+        if temps is not None:
+            t = torch.as_tensor(temps, dtype=torch.float64).reshape(-1)
+            known = t[~torch.isnan(t)]
+            bad = known[(known - self.temperature).abs() > 1e-5 * max(1.0, self.temperature)]
+            if bad.numel():
+                t_sample = f"{float(bad[0]):g}"
+                raise ValueError(
+                    f"sample temperature {t_sample} != module temperature {self.temperature:g}: "
+                    "the behaviour log-probs were computed at the sampling temperature, so the "
+                    "ratio would be wrong; set the policy's temperature (model.init_args."
+                    f"temperature={t_sample}) or the workflow's sampling temperature to match")
+
+    def prepare_batch(self, batch: dict) -> dict[str, Any]:
+        """Shift the trainer batch to next-token targets (``[:, 1:]``) and attach advantages."""
+        attention = batch["attention_mask"]
+        mask = (batch["loss_mask"][:, 1:] > 0) & (attention[:, 1:] > 0)
+        adv = batch["advantages"].float()
+        if self.normalize_advantages:
+            adv = batch_normalize(adv)
+        return {
+            "input_ids": batch["input_ids"],
+            "attention_mask": attention,
+            "mask": mask,
+            "logp_behaviour": batch["behaviour_logprobs"][:, 1:].float(),
+            "versions": batch["versions"][:, 1:],
+            "advantages": broadcast_to_tokens(adv, mask),
+            "sample_advantages": adv,
+            "rewards": batch["rewards"].float(),
+        }
+
+    def _micro_slices(self, n: int) -> list[slice]:
+        size = self.micro_batch_size or n
+        return [slice(i, min(n, i + size)) for i in range(0, n, size)] or [slice(0, 0)]
+
+    @staticmethod
+    def _slice(batch: dict, sl: slice, n: int) -> dict:
+        return {k: (v[sl] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
+                for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ objective
+
+    def loss_context(self, batch: dict, logp: Tensor) -> dict[str, Any]:
+        """Whole-batch quantities fixed before any backward (``logp`` is detached, ``[B, T-1]``).
+
+        Returns ``n_tokens`` (loss tokens over all ranks / world size, so DDP's gradient average
+        equals the token mean of the global batch) and, per objective, the M2 keep mask
+        (``m2_keep``, ``m2_selection``), the harmful clip (``harmful_clip``), the reference
+        log-probs (``ref_logp``). Tensors with the batch as first dim are sliced per micro-batch.
+        """
+        mask = batch["mask"]
+        local = mask.sum().to(torch.float32)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        ctx: dict[str, Any] = {"n_tokens": all_reduce_sum(local) / max(1, world)}
+        if self.loss_name == "m2po":
+            keep, sel = m2po_keep_mask(logp, batch["logp_behaviour"], mask, self.m2_threshold)
+            ctx["m2_keep"] = keep
+            ctx["m2_selection"] = sel
+        elif self.loss_name == "m2po_harmful":
+            ctx["harmful_clip"] = m2_harmful_clip(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                self.harmful_min_eps_low, self.harmful_min_eps_high)
+        if self.kl_coef > 0:
+            ctx["ref_logp"] = self._reference_logprobs(batch)
+        return ctx
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: dict) -> Tensor:
+        ref = self.ref_model
+        n = batch["input_ids"].shape[0]
+        parts = [causal_lm_logprobs(ref, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                    self.temperature, self.logprob_chunk_tokens)
+                 for sl in self._micro_slices(n)]
+        return torch.cat(parts)
+
+    def compute_loss(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The objective on one (micro-)batch; override to plug a new one (see module docstring)."""
+        mask, n_tokens = batch["mask"], batch["n_tokens"]
+        if self.loss_name == "m2po":
+            loss, metrics = m2po_loss(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                keep=batch["m2_keep"], n_tokens=n_tokens, selection=batch["m2_selection"])
+        elif self.loss_name == "m2po_harmful":
+            loss, metrics = m2po_harmful_loss(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                clip=batch["harmful_clip"], n_tokens=n_tokens)
+        else:
+            loss, metrics = ppo_clip_loss(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.clip_eps,
+                self.clip_eps_high, n_tokens=n_tokens)
+        if self.kl_coef > 0:
+            kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], mask, self.kl_coef, n_tokens)
+            loss = loss + kl_loss
+            metrics.update(kl_metrics)
+        return loss, metrics
+
+    # ------------------------------------------------------------------ step
+
+    def _backward(self, loss: Tensor, sync: bool) -> None:
+        if self._trainer is None:
+            loss.backward()
+            return
+        strategy = self.trainer.strategy
+        block = getattr(strategy, "block_backward_sync", None)
+        ctx = block() if (not sync and block is not None) else contextlib.nullcontext()
+        with ctx:
+            self.manual_backward(loss)
+
+    def accumulate_gradients(self, batch: dict) -> dict[str, Tensor]:
+        """Forward + backward of a prepared batch (micro-batched); returns combined metrics.
+
+        Gradients accumulate into ``.grad``; the caller clips and steps. Usable without a
+        Trainer (plain ``loss.backward()``), which is how the tests compare micro-batching to
+        the single pass.
+        """
+        n = batch["input_ids"].shape[0]
+        slices = self._micro_slices(n)
+        if len(slices) == 1:
+            logp = self(batch["input_ids"], batch["attention_mask"])
+            full = {**batch, **self.loss_context(batch, logp.detach())}
+            loss, metrics = self.compute_loss(full, logp)
+            self._backward(loss, sync=True)
+            out = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
+            out["loss"] = loss.detach().float()
+            return out
+        with torch.no_grad():
+            logp_all = torch.cat([self(batch["input_ids"][sl], batch["attention_mask"][sl])
+                                  for sl in slices])
+        full = {**batch, **self.loss_context(batch, logp_all)}
+        total_loss = torch.zeros((), device=logp_all.device)
+        parts: list[tuple[float, dict[str, Tensor]]] = []
+        for i, sl in enumerate(slices):
+            micro = self._slice(full, sl, n)
+            logp = self(micro["input_ids"], micro["attention_mask"])
+            loss, metrics = self.compute_loss(micro, logp)
+            self._backward(loss, sync=i == len(slices) - 1)
+            total_loss = total_loss + loss.detach().float()
+            parts.append((float(micro["mask"].sum()), metrics))
+        out = _combine_metrics(parts)
+        out["loss"] = total_loss
+        return out
+
+    def _clip_and_norm(self) -> Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip else float("inf")
+        strategy_model = getattr(self.trainer.strategy, "model", None) if self._trainer else None
+        if hasattr(strategy_model, "clip_grad_norm_"):  # FSDP: norm over the sharded gradients
+            return strategy_model.clip_grad_norm_(max_norm)
+        if not params:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        t0 = time.perf_counter()
+        self.check_batch(batch)
+        prepared = self.prepare_batch(batch)
+        metrics = self.accumulate_gradients(prepared)
+
+        opt = self.optimizers()
+        lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
+        grad_norm = self._clip_and_norm()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
+
+        # Acknowledge only once the optimizer step has happened: a crash before it re-serves.
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "acknowledge") and batch.get("batch_id") is not None:
+            dm.acknowledge(batch["batch_id"])
+
+        now = time.perf_counter()
+        metrics.update(self._batch_stats(batch, prepared))
+        metrics["grad_norm"] = grad_norm.detach().float()
+        metrics["lr"] = torch.tensor(lr)
+        wait_s = float(batch.get("wait_s", 0.0) or 0.0)
+        compute_s = now - t0
+        interval = (now - self._last_step_end) if self._last_step_end is not None else compute_s + wait_s
+        self._last_step_end = now
+        n_samples = prepared["input_ids"].shape[0]
+        n_tokens = float(prepared["attention_mask"].sum())
+        perf = {
+            "perf/wait_s": wait_s,
+            "perf/step_compute_s": compute_s,
+            "perf/wait_fraction": wait_s / interval if interval > 0 else 0.0,
+            "perf/samples_per_s": n_samples / interval if interval > 0 else 0.0,
+            "perf/tokens_per_s": n_tokens / interval if interval > 0 else 0.0,
+            "perf/trained_tokens_per_s": float(prepared["mask"].sum()) / interval if interval > 0 else 0.0,
+        }
+        logged = {f"train/{k}": v for k, v in metrics.items() if k != "loss"}
+        logged.update(perf)
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=n_samples)
+        self.log("train/loss", metrics["loss"], prog_bar=True, on_step=True, on_epoch=False,
+                 batch_size=n_samples)
+        return metrics["loss"]
+
+    def _batch_stats(self, batch: dict, prepared: dict) -> dict[str, Tensor]:
+        """Reward, advantage and staleness statistics of the batch (detached scalars)."""
+        rewards = prepared["rewards"]
+        adv = prepared["sample_advantages"]
+        mask = prepared["mask"]
+        stats = {
+            "reward_mean": rewards.mean(),
+            "reward_std": rewards.std(unbiased=False),
+            "advantage_mean": adv.mean(),
+            "advantage_std": adv.std(unbiased=False),
+            "advantage_min": adv.min(),
+            "advantage_max": adv.max(),
+            "response_tokens_mean": mask.sum(1).float().mean(),
+            "zero_advantage_fraction": (adv == 0).float().mean(),
+        }
+        version = batch.get("policy_version")
+        if version is not None:
+            versions = prepared["versions"]
+            has = mask.any(1)
+            big = torch.iinfo(versions.dtype).max
+            oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(1).values
+            if bool(has.any()):
+                staleness = (int(version) - oldest[has]).float()
+                stats["staleness_mean"] = staleness.mean()
+                stats["staleness_max"] = staleness.max()
+            stats["policy_version"] = torch.tensor(float(version))
+        return {k: v.detach().float() for k, v in stats.items()}
+
+
+def _combine_metrics(parts: list[tuple[float, dict[str, Tensor]]]) -> dict[str, Tensor]:
+    """Combine micro-batch metrics: ``*_loss`` add up (each is already normalised by the whole
+    batch), ``*_max``/``*_min`` take max/min, everything else a token-weighted mean."""
+    out: dict[str, Tensor] = {}
+    keys = {k for _, m in parts for k in m}
+    for key in sorted(keys):
+        vals = [(w, torch.as_tensor(m[key]).detach().float()) for w, m in parts if key in m]
+        stacked = torch.stack([v for _, v in vals])
+        weights = torch.tensor([w for w, _ in vals], device=stacked.device)
+        if key.endswith("_loss"):
+            out[key] = stacked.sum()
+        elif key.endswith("_max"):
+            out[key] = stacked.max()
+        elif key.endswith("_min"):
+            out[key] = stacked.min()
+        elif float(weights.sum()) > 0:
+            out[key] = (stacked * weights).sum() / weights.sum()
+        else:
+            out[key] = stacked.mean()
+    return out
+
+
+__all__ = ["M2POPolicy", "LOSSES", "load_causal_lm"]

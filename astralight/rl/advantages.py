@@ -1,0 +1,74 @@
+"""GRPO advantages: rewards normalised within their group, optionally again over the batch.
+
+A group is the set of samples drawn for one task by one policy (same ``task_id`` and
+``model_id``). ``A = (r - mean_g) / (std_g + eps)``; a group of one sample gets ``A = 0`` (it has
+no baseline to compare with), and a group whose rewards are all equal gets ``A = 0`` too. The
+dataflow computes this on ingest (it sees whole groups); the trainer may renormalise over the batch
+it trains on and broadcasts each sample's advantage to its loss-masked tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def group_ids_to_index(group_ids: Sequence[Hashable] | Tensor) -> Tensor:
+    """Map arbitrary group keys (strings, tuples, ints, or a tensor of ids) to dense ids 0..G-1."""
+    if isinstance(group_ids, Tensor):
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        return inverse.long()
+    index: dict[Hashable, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+
+
+def group_normalized_advantages(
+    rewards: Tensor,
+    group_ids: Sequence[Hashable] | Tensor,
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+    unbiased_std: bool = False,
+) -> Tensor:
+    """GRPO advantage of every sample: ``(r - mean_g) / (std_g + eps)`` over its group ``g``.
+
+    ``scale_by_std=False`` gives Dr.GRPO's ``r - mean_g``. ``unbiased_std`` selects the n-1
+    estimator (verl's choice); the default population std keeps ``A`` in [-sqrt(n-1), sqrt(n-1)]
+    and is what the dataflow uses on ingest. Singletons get 0.
+    """
+    rewards = rewards.float()
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards: expected shape [N], got {tuple(rewards.shape)}")
+    idx = group_ids_to_index(group_ids).to(rewards.device)
+    if idx.shape[0] != rewards.shape[0]:
+        raise ValueError(f"group_ids: {idx.shape[0]} ids for {rewards.shape[0]} rewards")
+    n_groups = int(idx.max().item()) + 1 if idx.numel() else 0
+    count = torch.zeros(n_groups, device=rewards.device).index_add_(0, idx, torch.ones_like(rewards))
+    total = torch.zeros(n_groups, device=rewards.device).index_add_(0, idx, rewards)
+    mean = total / count
+    centered = rewards - mean[idx]
+    sq = torch.zeros(n_groups, device=rewards.device).index_add_(0, idx, centered.square())
+    dof = (count - 1).clamp(min=1) if unbiased_std else count
+    std = (sq / dof).sqrt()
+    adv = centered / (std[idx] + eps) if scale_by_std else centered
+    return torch.where(count[idx] > 1, adv, torch.zeros_like(adv))
+
+
+def batch_normalize(advantages: Tensor, eps: float = 1e-6, mask: Tensor | None = None) -> Tensor:
+    """Renormalise advantages to zero mean, unit (population) std over the batch (or ``mask``)."""
+    a = advantages.float()
+    m = torch.ones_like(a, dtype=torch.bool) if mask is None else mask.bool()
+    n = m.sum().clamp(min=1)
+    mean = torch.where(m, a, 0.0).sum() / n
+    var = torch.where(m, (a - mean).square(), 0.0).sum() / n
+    return torch.where(m, (a - mean) / (var.sqrt() + eps), a)
+
+
+def broadcast_to_tokens(advantages: Tensor, loss_mask: Tensor) -> Tensor:
+    """Per-sample advantages [B] -> per-token [B, T], zero where ``loss_mask`` is 0."""
+    if advantages.ndim != 1 or advantages.shape[0] != loss_mask.shape[0]:
+        raise ValueError(
+            f"advantages: expected shape [{loss_mask.shape[0]}], got {tuple(advantages.shape)}"
+        )
+    return advantages.to(loss_mask.device, torch.float32)[:, None] * loss_mask.float()

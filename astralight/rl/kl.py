@@ -1,0 +1,92 @@
+"""KL estimators and importance-ratio statistics over masked token tensors.
+
+Every function takes per-token tensors of the same shape and a ``mask`` (1 where a token is
+trained); nothing here knows about models or batches. The KL penalty uses Schulman's k3 estimator
+(http://joschu.net/blog/kl-approx.html): unbiased for KL(pi_theta || pi_ref) when tokens are drawn
+from pi_theta, always >= 0, and with low variance.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of ``x`` over ``mask``; masked-out entries never contribute, even if NaN/inf."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor, denom: Tensor | float | None = None) -> Tensor:
+    """Mean of ``x`` over ``mask`` (or ``sum / denom`` when given); 0 for an empty mask."""
+    total = masked_sum(x, mask)
+    if denom is None:
+        denom = mask.sum()
+    denom = torch.as_tensor(denom, dtype=total.dtype, device=total.device)
+    return total / denom.clamp(min=1)
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log pi_theta - log pi_ref (unbiased, high variance, can be negative)."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = 0.5 * (log pi_theta - log pi_ref)^2 (biased, low variance)."""
+    return 0.5 * (logp - ref_logp).square()
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor, clamp: float | None = 10.0) -> Tensor:
+    """k3 = exp(d) - d - 1 with d = log pi_ref - log pi_theta (unbiased, >= 0, low variance).
+
+    ``clamp`` bounds the per-token value (verl's ``low_var_kl`` uses 10) so that one token the
+    reference finds far likelier than the policy cannot blow up the loss; ``None`` disables it.
+    """
+    d = ref_logp - logp
+    kl = torch.exp(d) - d - 1.0
+    if clamp is not None:
+        kl = kl.clamp(min=-clamp, max=clamp)
+    return kl
+
+
+def kl_penalty(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    n_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``kl_coef * sum(mask * k3) / n_tokens`` and its metrics.
+
+    ``kl_k3`` is the mean k3 over these tokens; ``kl_loss`` the (normalised) penalty itself.
+
+    ``n_tokens`` defaults to ``mask.sum()``; pass the whole batch's token count when this is one
+    micro-batch so that micro-batch losses add up to the batch loss.
+    """
+    per_token = kl_k3(logp, ref_logp)
+    loss = kl_coef * masked_mean(per_token, mask, n_tokens)
+    return loss, {"kl_k3": masked_mean(per_token.detach(), mask), "kl_loss": loss.detach()}
+
+
+def ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Statistics of r = exp(log_ratio) over the masked tokens (all detached).
+
+    ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``log_ratio_abs_mean`` and ``m2`` (the mean of
+    (log r)^2, M2PO's statistic). An empty mask gives ratio 1 and zero spreads.
+    """
+    lr = log_ratio.detach().float()
+    m = mask.bool()
+    if not bool(m.any()):
+        one = torch.ones((), device=lr.device)
+        zero = torch.zeros((), device=lr.device)
+        return {"ratio_mean": one, "ratio_min": one, "ratio_max": one,
+                "log_ratio_abs_mean": zero, "m2": zero}
+    vals = lr[m]
+    r = torch.exp(vals)
+    return {
+        "ratio_mean": r.mean(),
+        "ratio_min": r.min(),
+        "ratio_max": r.max(),
+        "log_ratio_abs_mean": vals.abs().mean(),
+        "m2": vals.square().mean(),
+    }

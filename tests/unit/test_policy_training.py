@@ -1,0 +1,169 @@
+"""M2POPolicy + RolloutDataModule under a real Lightning ``Trainer.fit`` on the tiny model."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from astralight.datamodules import RolloutDataModule, collate_batch
+from astralight.policy import M2POPolicy
+from tests.unit.trainer_fakes import FakeDataflowClient
+
+
+def make_trainer(tmp_path, max_steps=3, callbacks=()):
+    return pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", devices=1, logger=TensorBoardLogger(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1, callbacks=list(callbacks))
+
+
+def make_data(fake, batch_size=4):
+    dm = RolloutDataModule("http://127.0.0.1:1", model_id="policy", batch_size=batch_size)
+    dm.client = fake
+    return dm
+
+
+EXPECTED_METRICS = [
+    "train/loss", "train/pg_loss", "train/m2_before", "train/m2_after", "train/masked_fraction",
+    "train/ratio_mean", "train/ratio_max", "train/reward_mean", "train/advantage_mean",
+    "train/advantage_std", "train/staleness_mean", "train/staleness_max", "train/grad_norm",
+    "train/lr", "perf/samples_per_s", "perf/tokens_per_s", "perf/wait_s",
+]
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 2])
+def test_fit_trains_acknowledges_and_logs(tiny_model_dir, tmp_path, micro_batch_size):
+    fake = FakeDataflowClient(tiny_model_dir)
+    fake.version = 3  # batches say the dataflow is at version 3; tokens are 0-2 versions older
+    dm = make_data(fake)
+    policy = M2POPolicy(str(tiny_model_dir), lr=1e-3, micro_batch_size=micro_batch_size)
+    trainer = make_trainer(tmp_path)
+    fake.trainer = trainer
+    policy.configure_model()
+    before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+    trainer.fit(policy, datamodule=dm)
+
+    assert trainer.global_step == 3
+    # every batch trained was acknowledged once, in order, after its optimizer step
+    assert [b for b, _ in fake.acks] == fake.served[:3]
+    assert [s for _, s in fake.acks] == [1, 2, 3]
+    # the prefetch slot holds placeholders, not pulled batches: nothing pulled is left unacked
+    assert len(fake.served) == 3
+    assert dm.n_acknowledged == 3
+    after = policy.model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before)
+    metrics = trainer.callback_metrics
+    missing = [k for k in EXPECTED_METRICS if k not in metrics]
+    assert not missing
+    assert torch.isfinite(metrics["train/loss"])
+    assert 0 <= float(metrics["train/masked_fraction"]) <= 1
+    assert 0 <= float(metrics["train/staleness_mean"]) <= float(metrics["train/staleness_max"]) <= 3
+    assert float(metrics["train/lr"]) == pytest.approx(1e-3)
+    assert list(tmp_path.rglob("events.out.tfevents*"))
+
+
+@pytest.mark.parametrize("loss", ["m2po_harmful", "ppo_clip"])
+def test_fit_other_objectives(tiny_model_dir, tmp_path, loss):
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3)
+    policy = M2POPolicy(str(tiny_model_dir), loss=loss, lr=1e-3, kl_coef=0.05, warmup_steps=4)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(policy, datamodule=make_data(fake))
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"])
+    assert "train/kl_k3" in metrics and "train/kl_loss" in metrics
+    assert float(metrics["train/lr"]) == pytest.approx(1e-3 * 2 / 4)  # linear warm-up
+    key = "train/masked_fraction" if loss == "m2po_harmful" else "train/clip_fraction"
+    assert 0 < float(metrics[key]) <= 1  # noisy behaviour log-probs: some tokens constrained
+    assert policy.ref_model is not None
+
+
+def test_temperature_mismatch_is_refused(tiny_model_dir, tmp_path):
+    fake = FakeDataflowClient(tiny_model_dir, temperature=0.7)
+    policy = M2POPolicy(str(tiny_model_dir), temperature=1.0)
+    with pytest.raises(ValueError, match=r"sample temperature 0\.7 != module temperature 1:"):
+        make_trainer(tmp_path, max_steps=1).fit(policy, datamodule=make_data(fake))
+    assert fake.acks == []
+
+
+def test_other_model_id_is_refused(tiny_model_dir):
+    policy = M2POPolicy(str(tiny_model_dir), model_id="solver")
+    batch = collate_batch(FakeDataflowClient(tiny_model_dir).make_batch(2))
+    with pytest.raises(ValueError, match="model_id"):
+        policy.check_batch(batch)
+
+
+@pytest.mark.parametrize("loss,kl_coef", [("m2po", 0.0), ("m2po_harmful", 0.0),
+                                          ("ppo_clip", 0.0), ("m2po", 0.1)])
+def test_micro_batching_gives_the_whole_batch_gradient(tiny_model_dir, loss, kl_coef):
+    """Gradient accumulation with the whole-batch M2 context equals one pass over the batch."""
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.4, seed=3)
+    batch = collate_batch(fake.make_batch(6))
+    grads, metrics = [], []
+    for mbs in (None, 2, 4):
+        policy = M2POPolicy(str(tiny_model_dir), loss=loss, kl_coef=kl_coef, micro_batch_size=mbs)
+        policy.configure_model()
+        out = policy.accumulate_gradients(policy.prepare_batch(batch))
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters()})
+        metrics.append(out)
+    assert float(metrics[0]["masked_fraction" if loss != "ppo_clip" else "clip_fraction"]) > 0
+    for other, m in zip(grads[1:], metrics[1:]):
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-4, atol=1e-6)
+        assert float(m["loss"]) == pytest.approx(float(metrics[0]["loss"]), rel=1e-4, abs=1e-6)
+        for key in ("m2_before", "m2_after", "masked_fraction", "ratio_max"):
+            if key in m:
+                assert float(m[key]) == pytest.approx(float(metrics[0][key]), rel=1e-4, abs=1e-6)
+
+
+class CustomObjective(M2POPolicy):
+    """The documented extension point: a plain REINFORCE-style token-mean loss."""
+
+    def compute_loss(self, batch, logp):
+        loss = -(logp * batch["advantages"])[batch["mask"]].sum() / batch["n_tokens"]
+        return loss, {"custom_loss": loss.detach()}
+
+
+def test_compute_loss_is_the_extension_point(tiny_model_dir, tmp_path):
+    fake = FakeDataflowClient(tiny_model_dir)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(CustomObjective(str(tiny_model_dir), lr=1e-3), datamodule=make_data(fake))
+    assert "train/custom_loss" in trainer.callback_metrics
+    assert "train/m2_before" not in trainer.callback_metrics
+    assert len(fake.acks) == 2
+
+
+def test_datamodule_gives_up_after_max_wait(tiny_model_dir, caplog):
+    class Empty:
+        def pull_batch(self, *a, **k):
+            return None
+
+    dm = RolloutDataModule("http://127.0.0.1:1", batch_size=2, pull_timeout_s=0.01, max_wait_s=0.05)
+    dm.client = Empty()
+    stream = dm.stream(lazy=False)
+    with pytest.raises(TimeoutError, match="max_wait_s"):
+        next(iter(stream))
+    with pytest.raises(TypeError):
+        len(stream)  # Lightning must see an unsized (infinite) stream
+
+
+def test_collate_batch_layout(tiny_model_dir):
+    batch = FakeDataflowClient(tiny_model_dir).make_batch(4)
+    out = collate_batch(batch, wait_s=1.5)
+    n = max(s.num_tokens for s in batch.samples)
+    assert out["input_ids"].shape == (4, n) and out["input_ids"].dtype == torch.long
+    for i, s in enumerate(batch.samples):
+        k = s.num_tokens
+        assert out["input_ids"][i, :k].tolist() == s.token_ids.tolist()
+        assert out["attention_mask"][i].sum() == k
+        assert out["loss_mask"][i, :k].tolist() == s.loss_mask.astype(float).tolist()
+        assert out["versions"][i, k:].eq(-1).all()
+        assert out["input_ids"][i, k:].eq(0).all()
+    assert out["wait_s"] == 1.5 and out["batch_id"] == batch.batch_id
+    assert out["temperature"].tolist() == [1.0] * 4
+    logging.getLogger(__name__).info("collated %s", {k: getattr(v, "shape", v) for k, v in out.items()})
