@@ -1,0 +1,149 @@
+"""RaaS configuration: command line and YAML, parsed by jsonargparse.
+
+    astralight raas serve --dataflow http://127.0.0.1:8400 --config raas.yaml
+
+YAML keys (defaults in brackets)::
+
+    engines:                      # one engine per policy this RaaS serves
+      policy:                     # model_id -> VLLMEngine arguments ...
+        model_path: ./model
+        dtype: bfloat16
+        max_model_len: 128
+        kv_cache_memory_bytes: 268435456
+      # ... or another engine class: {class_path: astralight.raas.hf_engine.HFEngine, init_args: {...}}
+    model_ids: [policy]           # [keys of engines] what to register for
+    workflow:                     # [SingleTurnWorkflow with ExactMatchReward]
+      class_path: astralight.workflows.single_turn.SingleTurnWorkflow
+      init_args:
+        reward: {class_path: astralight.rewards.toy.ExactMatchReward}
+        sampling: {temperature: 1.0, max_tokens: 8}
+    max_concurrency: 64           # tasks leased per cycle (and the capacity registered)
+    poll_interval_s: 0.5          # sleep when a lease comes back empty
+    seed: 0                       # engines without their own seed get seed + index
+    weight_check_interval_s: 2.0, background_weight_sync: true,
+    progress_interval_s: 10.0, heartbeat_interval_s: null (= lease_seconds / 3),
+    instance_id: null, token: null (or env ASTRALIGHT_TOKEN), max_cycles: null,
+    dataflow_give_up_s: 600 (exit 1 when every dataflow call has failed for this long)
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from astralight.workflows.base import Workflow
+
+DEFAULT_ENGINE = "astralight.raas.vllm_engine.VLLMEngine"
+DEFAULT_WORKFLOW = {
+    "class_path": "astralight.workflows.single_turn.SingleTurnWorkflow",
+    "init_args": {"reward": {"class_path": "astralight.rewards.toy.ExactMatchReward"}},
+}
+
+
+@dataclass
+class RaaSConfig:
+    """Everything the service needs, validated; ``workflow`` is already instantiated."""
+
+    dataflow: str
+    engines: dict[str, dict]
+    workflow: Workflow
+    model_ids: list[str] = field(default_factory=list)
+    max_concurrency: int = 64
+    poll_interval_s: float = 0.5
+    seed: int = 0
+    weight_check_interval_s: float = 2.0
+    background_weight_sync: bool = True
+    progress_interval_s: float = 10.0
+    heartbeat_interval_s: Optional[float] = None
+    instance_id: Optional[str] = None
+    token: Optional[str] = None
+    max_cycles: Optional[int] = None
+    dataflow_give_up_s: float = 600.0
+
+
+def build_parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    p = ArgumentParser(prog="astralight raas serve",
+                       description="Rollout-as-a-service: lease tasks, generate, push samples.")
+    p.add_argument("--config", action=ActionConfigFile, help="YAML file with the keys below")
+    p.add_argument("--dataflow", type=str, default="http://127.0.0.1:8400",
+                   help="URL of the dataflow service")
+    p.add_argument("--token", type=Optional[str], default=None,
+                   help="bearer token (default: env ASTRALIGHT_TOKEN)")
+    p.add_argument("--engines", type=dict[str, dict[str, Any]], default={},
+                   help="{model_id: VLLMEngine kwargs, or {class_path, init_args}}")
+    p.add_argument("--model_ids", type=Optional[list[str]], default=None,
+                   help="policies to register for (default: the keys of engines)")
+    p.add_argument("--workflow", type=Optional[Workflow], default=None,
+                   help="workflow plugin {class_path, init_args} (default: single turn, exact match)")
+    p.add_argument("--max_concurrency", type=int, default=64)
+    p.add_argument("--poll_interval_s", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight_check_interval_s", type=float, default=2.0)
+    p.add_argument("--background_weight_sync", type=bool, default=True)
+    p.add_argument("--progress_interval_s", type=float, default=10.0)
+    p.add_argument("--heartbeat_interval_s", type=Optional[float], default=None)
+    p.add_argument("--instance_id", type=Optional[str], default=None)
+    p.add_argument("--max_cycles", type=Optional[int], default=None,
+                   help="stop after this many lease cycles (benchmarks, tests)")
+    p.add_argument("--dataflow_give_up_s", type=float, default=600.0,
+                   help="exit 1 when the dataflow has failed every call for this long")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> RaaSConfig:
+    """Parse ``argv`` (and the YAML it names) into a validated :class:`RaaSConfig`."""
+    parser = build_parser()
+    cfg = parser.parse_args(argv)
+    if cfg.workflow is None:
+        cfg.workflow = DEFAULT_WORKFLOW
+    cfg = parser.instantiate_classes(cfg)
+    values = {k: v for k, v in vars(cfg).items() if k not in ("config", "__path__")}
+    config = RaaSConfig(**{k: values[k] for k in RaaSConfig.__dataclass_fields__ if k in values})
+    if not config.model_ids:
+        config.model_ids = list(config.engines)
+    validate(config)
+    return config
+
+
+def validate(config: RaaSConfig) -> None:
+    if not config.engines:
+        raise ValueError("engines: configure at least one engine, e.g. "
+                         "engines: {policy: {model_path: ./model}}")
+    missing = [m for m in config.model_ids if m not in config.engines]
+    if missing:
+        raise ValueError(f"model_ids: {missing} have no entry in engines ({sorted(config.engines)})")
+    for mid, spec in config.engines.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"engines.{mid}: expected a mapping of engine arguments")
+        if "class_path" not in spec and "model_path" not in spec:
+            raise ValueError(f"engines.{mid}.model_path: is required")
+    if config.max_concurrency < 1:
+        raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
+    if config.poll_interval_s < 0:
+        raise ValueError("poll_interval_s: must be >= 0")
+
+
+def import_object(path: str) -> Any:
+    """``"package.module.Name"`` -> the object; a clear error naming the path if it is wrong."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"class_path: cannot import {path!r} ({exc})") from None
+
+
+def build_engine(model_id: str, spec: dict, seed: int) -> Any:
+    """Instantiate the engine of one policy: VLLMEngine(**spec) or {class_path, init_args}."""
+    spec = dict(spec)
+    if "class_path" in spec:
+        cls = import_object(spec.pop("class_path"))
+        kwargs = dict(spec.pop("init_args", {}) or {})
+        if spec:
+            raise ValueError(f"engines.{model_id}: unexpected keys {sorted(spec)} next to class_path")
+    else:
+        cls, kwargs = import_object(DEFAULT_ENGINE), spec
+    kwargs.setdefault("seed", seed)
+    return cls(**kwargs)

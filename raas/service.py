@@ -1,0 +1,300 @@
+"""The RaaS main loop: register, lease, run the workflow, push, refresh weights, repeat.
+
+    astralight raas serve --dataflow http://127.0.0.1:8400 --config raas.yaml
+    python -m astralight.raas.service --dataflow URL --config raas.yaml
+
+One lease cycle: apply a newer verified weight version if one is ready (the only pause in
+generation), lease up to ``max_concurrency`` tasks, run them through the workflow in one batch,
+push each task's samples (pushes are idempotent by task id). Liveness is kept by a heartbeat
+thread so a long generation does not look like a dead instance. SIGTERM / SIGINT finish the
+current cycle, push it, and exit 0; a second signal exits at once.
+
+The service decides nothing about data: which tasks exist, which samples are trained on and
+what is stale belong to the dataflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from astralight.raas.config import RaaSConfig, build_engine, parse_config
+from astralight.raas.weight_sync import WeightSync
+
+log = logging.getLogger("astralight.raas")
+
+
+@dataclass
+class Counters:
+    """What the periodic progress line reports (cumulative since start)."""
+
+    cycles: int = 0
+    tasks_done: int = 0
+    samples_pushed: int = 0
+    duplicate_pushes: int = 0
+    tokens_generated: int = 0
+    generate_s: float = 0.0
+    workflow_errors: int = 0
+    push_errors: int = 0
+    dataflow_errors: int = 0
+    unsupported_tasks: int = 0
+    empty_tasks: int = 0
+
+
+def _status(exc: BaseException) -> int | None:
+    """HTTP status of a DataflowError (duck-typed, so the client module stays optional here)."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+class RaaSService:
+    """A rollout service instance. ``client_factory()`` returns a DataflowClient; ``engines``
+    (``{model_id: Engine}``) may be passed in ready-made, else they are built from the config."""
+
+    def __init__(self, config: RaaSConfig, client_factory: Callable[[], Any] | None = None,
+                 engines: dict[str, Any] | None = None, out=None):
+        self.config = config
+        self.client_factory = client_factory or self._default_client_factory
+        self.engines = engines
+        self.out = out or sys.stdout
+        self.counters = Counters()
+        self.stop_event = threading.Event()
+        self.client = None
+        self.instance_id: str | None = config.instance_id
+        self.lease_seconds = 60.0
+        self.syncs: dict[str, WeightSync] = {}
+        self._heartbeat: threading.Thread | None = None
+        self._started = time.monotonic()
+        self._last_progress = time.monotonic()
+        self._failing_since: float | None = None
+
+    def _default_client_factory(self):
+        from astralight.dataflow.client import DataflowClient
+
+        return DataflowClient(self.config.dataflow, token=self.config.token)
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    # ------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self.engines is None:
+            self.engines = {}
+            for i, mid in enumerate(cfg.model_ids):
+                self.engines[mid] = build_engine(mid, cfg.engines[mid], cfg.seed + i)
+        engines_s = time.perf_counter() - t0
+        self.client = self.client_factory()
+        self.register()
+        for mid in cfg.model_ids:
+            self.syncs[mid] = WeightSync(self.client_factory, mid, self.engines[mid],
+                                         check_interval_s=cfg.weight_check_interval_s,
+                                         background=cfg.background_weight_sync).start()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="raas-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+        warm = sum(getattr(e, "warmup_s", 0.0) for e in self.engines.values())
+        versions = " ".join(f"{m}=v{e.version}" for m, e in self.engines.items())
+        self.say(f"raas ready instance={self.instance_id} model_ids={cfg.model_ids} {versions} "
+                 f"engines_up_s={engines_s:.2f} warmup_s={warm:.2f} dataflow={cfg.dataflow}")
+
+    def register(self) -> None:
+        wf = self.config.workflow
+        meta = {"workflow": getattr(wf, "name", type(wf).__name__), "pid": os.getpid(),
+                "versions": {m: int(e.version) for m, e in self.engines.items()}}
+        reply = self.client.register(self.config.model_ids, self.config.max_concurrency,
+                                     instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",
+                                     meta=meta)
+        self.instance_id = reply["instance_id"]
+        self.lease_seconds = float(reply.get("lease_seconds", self.lease_seconds))
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s or max(self.lease_seconds / 3.0, 0.5)
+        client = self.client_factory()
+        try:
+            while not self.stop_event.wait(interval):
+                try:
+                    client.heartbeat(self.instance_id)
+                except Exception as exc:  # the main loop notices a dead dataflow too
+                    log.warning("heartbeat failed: %s", exc)
+        finally:
+            client.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_cycle(self) -> int:
+        """One lease cycle; returns the number of tasks whose samples were pushed."""
+        for sync in self.syncs.values():
+            sync.refresh()
+        try:
+            tasks = self.client.lease(self.instance_id, self.config.max_concurrency)
+        except Exception as exc:
+            if _status(exc) in (404, 410):  # the dataflow forgot us (e.g. expired): register again
+                log.warning("lease refused (%s); registering again", exc)
+                self.register()
+                return 0
+            raise
+        self.counters.cycles += 1
+        if not tasks:
+            return 0
+        wf = self.config.workflow
+        name = getattr(wf, "name", "")
+        runnable = [t for t in tasks if not name or t.workflow == name]
+        if len(runnable) < len(tasks):
+            skipped = len(tasks) - len(runnable)
+            self.counters.unsupported_tasks += skipped
+            log.error("%d leased task(s) want a workflow other than %r; left to expire",
+                      skipped, name)
+        if not runnable:
+            return 0
+        self._catch_up_for_evals(runnable)
+        start = time.perf_counter()
+        try:
+            results = wf.run(runnable, self.engines)
+        except Exception:
+            self.counters.workflow_errors += 1
+            log.exception("workflow failed on %d task(s); their leases will expire and the "
+                          "dataflow re-issues them", len(runnable))
+            return 0
+        self.counters.generate_s += time.perf_counter() - start
+        done = 0
+        for task in runnable:
+            samples = results.get(task.task_id, [])
+            if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
+                self.counters.empty_tasks += 1
+                continue
+            try:
+                reply = self.client.push(self.instance_id, task.task_id, samples)
+            except Exception as exc:
+                self.counters.push_errors += 1
+                log.error("push of task %s refused: %s", task.task_id, exc)
+                if not _status(exc):  # None/0: the dataflow is unreachable, let serve() count it
+                    raise
+                continue
+            done += 1
+            self.counters.samples_pushed += int(reply.get("accepted", len(samples)))
+            self.counters.duplicate_pushes += bool(reply.get("duplicate"))
+            self.counters.tokens_generated += sum(int(s.loss_mask.sum()) for s in samples)
+        self.counters.tasks_done += done
+        return done
+
+    def _catch_up_for_evals(self, tasks: list) -> None:
+        """An eval task of version v is scheduled when v is published, possibly before this RaaS
+        has loaded v: load it now, so the eval measures the version it is named after."""
+        want: dict[str, int] = {}
+        for t in tasks:
+            if t.kind == "eval" and t.eval_version is not None and t.model_ids[0] in self.syncs:
+                want[t.model_ids[0]] = max(want.get(t.model_ids[0], -1), t.eval_version)
+        for mid, version in want.items():
+            if self.engines[mid].version < version:
+                self.syncs[mid].refresh(force=True)
+                if self.engines[mid].version < version:
+                    log.warning("eval of %s v%d runs on v%d: that version could not be loaded",
+                                mid, version, self.engines[mid].version)
+
+    def serve(self) -> int:
+        """Run cycles until stopped (signal, ``max_cycles``) and return the exit code."""
+        cfg = self.config
+        cycles = 0
+        while not self.stop_event.is_set():
+            try:
+                n = self.run_cycle()
+                self._failing_since = None
+            except Exception as exc:
+                self.counters.dataflow_errors += 1
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                log.error("cycle failed: %s", exc)
+                if now - self._failing_since > cfg.dataflow_give_up_s:
+                    self.say(f"raas giving up: the dataflow has failed for "
+                             f"{now - self._failing_since:.0f}s")
+                    return 1
+                n = 0
+            cycles += 1
+            self.maybe_progress()
+            if cfg.max_cycles is not None and cycles >= cfg.max_cycles:
+                break
+            if n == 0:
+                self.stop_event.wait(cfg.poll_interval_s)
+        self.maybe_progress(force=True)
+        return 0
+
+    # ------------------------------------------------------------------ observation
+
+    def progress_line(self) -> str:
+        c = self.counters
+        refreshes = sum(s.refreshes for s in self.syncs.values())
+        pause = sum(s.pause_s_total for s in self.syncs.values())
+        failures = sum(s.failures for s in self.syncs.values())
+        tok_s = c.tokens_generated / c.generate_s if c.generate_s > 0 else 0.0
+        versions = " ".join(f"{m}=v{e.version}" for m, e in (self.engines or {}).items())
+        return (f"[raas {time.monotonic() - self._started:6.0f}s] cycles {c.cycles}"
+                f" | tasks {c.tasks_done} | samples {c.samples_pushed} (dup {c.duplicate_pushes})"
+                f" | tok/s {tok_s:.0f} | refreshes {refreshes}"
+                f" (pause {pause:.2f}s) | {versions} | errors wf={c.workflow_errors}"
+                f" push={c.push_errors} dataflow={c.dataflow_errors} weights={failures}"
+                f" empty={c.empty_tasks} unsupported={c.unsupported_tasks}")
+
+    def maybe_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_progress >= self.config.progress_interval_s:
+            self._last_progress = now
+            self.say(self.progress_line())
+
+    # ------------------------------------------------------------------ shutdown
+
+    def request_stop(self, *_: Any) -> None:
+        if self.stop_event.is_set():  # second signal: stop now
+            raise KeyboardInterrupt
+        self.say("raas stopping: finishing the current cycle")
+        self.stop_event.set()
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for sync in self.syncs.values():
+            sync.close()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        if self.client is not None:
+            self.client.close()
+        for engine in (self.engines or {}).values():
+            engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``astralight raas serve``; returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(argv)
+    except ValueError as exc:
+        print(f"raas: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            # measured on CPU: the in-process engine core starts in ~3 s instead of spawning one
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    except ImportError:  # pragma: no cover
+        pass
+    service = RaaSService(config)
+    try:
+        service.start()
+        signal.signal(signal.SIGTERM, service.request_stop)
+        signal.signal(signal.SIGINT, service.request_stop)
+        return service.serve()
+    finally:
+        service.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

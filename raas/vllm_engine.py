@@ -1,0 +1,175 @@
+"""The production engine: an in-process ``vllm.LLM`` (CPU build here, CUDA build on GPUs).
+
+vLLM is imported only when a :class:`VLLMEngine` is constructed, so importing ``astralight.raas``
+(the service, the config, the workflows) never pulls in vLLM; a machine without vLLM can still
+run the service with another engine class, and the test suite can import everything.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+from astralight.raas.engine import Completion, SamplingSpec, clamp_max_tokens
+
+log = logging.getLogger(__name__)
+
+#: import path vLLM uses to mix the weight-reload methods into its workers
+WORKER_EXTENSION = "astralight.raas.worker_extension.WeightReloadExtension"
+
+
+def safetensors_blob(named_tensors: dict[str, Any], dtype: Any = None) -> bytes:
+    """``named_tensors`` as safetensors bytes: on CPU, contiguous, floating ones cast to ``dtype``.
+
+    Tensors that share storage (tied embeddings, views of one buffer) are copied, because
+    safetensors refuses shared storage.
+    """
+    import torch
+    from safetensors.torch import save
+
+    target = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # "auto": keep
+    if not isinstance(target, torch.dtype):
+        target = None
+    prepared, seen = {}, set()
+    for name, t in named_tensors.items():
+        t = t.detach().to("cpu")
+        if target is not None and t.is_floating_point() and t.dtype != target:
+            t = t.to(target)
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        prepared[name] = t.contiguous()
+    return save(prepared)
+
+
+class VLLMEngine:
+    """One policy served by vLLM; implements :class:`astralight.raas.engine.Engine`.
+
+    Args:
+        model_path: a Hugging Face model folder (the same initial folder the trainer starts from;
+            its weights are policy version ``version``).
+        dtype: compute dtype of the engine; weights sent to :meth:`update_weights` are cast to it.
+        max_model_len: context length (prompt + completion); None takes the model's.
+        seed: seeds vLLM's sampler, so a run is reproducible given the same requests.
+        gpu_memory_utilization: share of GPU memory vLLM may use (GPU only).
+        kv_cache_memory_bytes: KV-cache size; needed on CPU (or set VLLM_CPU_KVCACHE_SPACE).
+        enforce_eager: disable CUDA graphs / compilation; None = eager on CPU, graphs on GPU.
+        warmup: run one tiny generation now, so the first real call does not pay vLLM's
+            one-time warm-up (seconds on CPU) in the middle of a lease.
+        version: policy version of the weights in ``model_path`` (0 = the initial model).
+        engine_kwargs: anything else for ``vllm.LLM`` (tensor_parallel_size, tokenizer, ...).
+
+    Behaviour log-probs are vLLM's ``processed_logprobs``: log-probs of the distribution actually
+    sampled from (temperature and top-p applied), which is what an off-policy correction needs.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", max_model_len: int | None = None,
+                 seed: int = 0, gpu_memory_utilization: float | None = None,
+                 kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None,
+                 warmup: bool = True, version: int = 0, engine_kwargs: dict | None = None):
+        import torch
+        from vllm import LLM  # lazy: see module docstring
+
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+        )
+        for key, value in (("max_model_len", max_model_len),
+                           ("gpu_memory_utilization", gpu_memory_utilization),
+                           ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+            if value is not None:
+                kwargs[key] = value
+        clash = set(kwargs) & set(engine_kwargs or {})
+        if clash:
+            raise ValueError(f"engine_kwargs: {sorted(clash)} are set by VLLMEngine's own arguments")
+        kwargs.update(engine_kwargs or {})
+
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_s = time.perf_counter() - start
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self.version = version
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.warmup_s = 0.0
+        if warmup:
+            start = time.perf_counter()
+            self.generate([[self._warmup_token()] * 4], SamplingSpec(max_tokens=2))
+            self.warmup_s = time.perf_counter() - start
+        log.info("vLLM engine for %s up in %.2f s (warm-up %.2f s)", model_path, self.start_s,
+                 self.warmup_s)
+
+    def _warmup_token(self) -> int:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            tid = getattr(self.tokenizer, name, None)
+            if tid is not None:
+                return int(tid)
+        return 0
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        """One completion per prompt, all in one vLLM call (vLLM batches them)."""
+        from vllm import SamplingParams
+
+        if not prompt_token_ids:
+            return []
+        per_request = []
+        for i, ids in enumerate(prompt_token_ids):
+            if not ids:
+                raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
+            per_request.append(SamplingParams(
+                temperature=params.temperature, top_p=params.top_p,
+                max_tokens=clamp_max_tokens(len(ids), params.max_tokens, self.max_model_len),
+                stop_token_ids=list(params.stop_token_ids),
+                seed=None if params.seed is None else params.seed + i,
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,  # the workflow decodes what it needs
+            ))
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids],
+                                    per_request, use_tqdm=False)
+        completions = []
+        for out in outputs:
+            o = out.outputs[0]
+            tokens = list(o.token_ids)
+            if o.logprobs is None or len(o.logprobs) != len(tokens):
+                raise RuntimeError("vLLM returned no per-token logprobs; is logprobs=0 honoured?")
+            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, o.logprobs)]
+            completions.append(Completion(tokens, logprobs, str(o.finish_reason)))
+        return completions
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: dict[str, Any], version: int) -> None:
+        """Load a full set of checkpoint-named tensors in place and set ``version``.
+
+        All tensors go in ONE collective_rpc call as safetensors bytes (fused q/k/v and gate/up
+        parameters need all their shards together); floating tensors are cast to the engine's
+        dtype first (half the bytes for fp32 masters; vLLM would cast them anyway). The prefix
+        cache is reset because cached KV blocks were computed by the old weights.
+        """
+        if not named_tensors:
+            raise ValueError("named_tensors: nothing to load")
+        blob = safetensors_blob(named_tensors, self.dtype)
+        counts = self.llm.collective_rpc("load_safetensors", args=(blob,))
+        if any(c != len(named_tensors) for c in counts):
+            raise RuntimeError(f"update_weights: workers loaded {counts} of {len(named_tensors)} tensors")
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+
+    def close(self) -> None:
+        """Shut the engine core down and free its memory."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        del llm
+        gc.collect()
