@@ -1,0 +1,57 @@
+"""The ``astralight`` command: one entry point, one sub-command per process kind.
+
+    astralight run [RECIPE.yaml]                 start everything on this machine (the launcher)
+    astralight dataflow serve --config X.yaml    the dataflow service
+    astralight raas serve --dataflow URL --config X.yaml   a rollout service
+    astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
+    astralight prepare-toy --out DIR             build the toy recipe's warm-started tiny policy
+
+Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
+``astralight raas`` never imports Lightning.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__
+
+
+def _fit(argv: list[str]) -> int:
+    from astralight.trainer_cli import main as fit_main
+
+    fit_main(argv)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from astralight.launch import main as run_main
+
+        return run_main(rest)
+    if command in ("dataflow", "raas"):
+        if not rest or rest[0] != "serve":
+            print(f"usage: astralight {command} serve --config FILE.yaml [options]", file=sys.stderr)
+            return 2
+        if command == "dataflow":
+            from astralight.dataflow.service import main as serve
+        else:
+            from astralight.raas.service import main as serve
+        return serve(rest[1:]) or 0
+    if command == "fit":
+        return _fit(rest)
+    if command == "prepare-toy":
+        from astralight.tasks.warmstart import main as prepare_main
+
+        return prepare_main(rest) or 0
+    print(f"astralight: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""``astralight run``: start a whole run on this machine, watch it, stop it cleanly.
+
+The launcher owns nothing a component does. It reads a recipe (one YAML holding the dataflow,
+RaaS and trainer configs), writes each component's config into the run folder, starts each
+component as its own process with the same command a cluster would use, shows one progress
+line, and on completion (or Ctrl-C, or a component failing) stops them in order: trainers,
+rollout services, dataflow. The run folder keeps configs, logs, TensorBoard events,
+checkpoints and the dataflow's SQLite state.
+
+Recipe placeholders, substituted in every string value: ``{run_dir}``, ``{dataflow_url}``,
+``{init_model}`` (what the ``prepare`` step built), ``{seed}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+def _default_recipe() -> Path:
+    """The embedded toy recipe (examples/toy/recipe.yaml, installed as package astralight.toy)."""
+    import astralight.toy
+
+    return Path(astralight.toy.__file__).resolve().parent / "recipe.yaml"
+
+
+class RecipeError(ValueError):
+    """The recipe is not usable; the message names the key and the fix."""
+
+
+@dataclass
+class Component:
+    """One child process of the run and where its output goes."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict = field(default_factory=dict)
+    cpus: list[int] | None = None
+    proc: subprocess.Popen | None = None
+    log_file: Any = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = open(self.log_path, "ab", buffering=0)
+        # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then stops
+        # the components in order instead of all at once.
+        cpus = self.cpus
+
+        def pin() -> None:  # runs in the child before exec
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.proc = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **{k: str(v) for k, v in self.env.items()}},
+                                     start_new_session=True, preexec_fn=pin)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.alive():
+            try:
+                self.proc.send_signal(sig)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self.log_file:
+            self.log_file.close()
+            self.log_file = None
+        return self.proc.returncode
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _substitute(obj: Any, values: dict[str, str]) -> Any:
+    if isinstance(obj, str):
+        for key, value in values.items():
+            obj = obj.replace("{" + key + "}", str(value))
+        return obj
+    if isinstance(obj, dict):
+        return {k: _substitute(v, values) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_substitute(v, values) for v in obj]
+    return obj
+
+
+def load_recipe(path: Path) -> dict:
+    """Read and check a recipe; every problem is reported with the key that holds it."""
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise RecipeError(f"recipe: cannot read {path}: {exc}") from None
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"recipe: {path} must hold a mapping")
+    for key in ("dataflow", "raas", "trainers", "stop"):
+        if key not in recipe:
+            raise RecipeError(f"recipe.{key}: missing in {path}")
+    if not isinstance(recipe["raas"], list) or not recipe["raas"]:
+        raise RecipeError("recipe.raas: must be a non-empty list of RaaS configs")
+    if not isinstance(recipe["trainers"], list) or not recipe["trainers"]:
+        raise RecipeError("recipe.trainers: must be a non-empty list of trainer configs")
+    stop = recipe["stop"]
+    if not isinstance(stop.get("versions"), int) or stop["versions"] < 1:
+        raise RecipeError("recipe.stop.versions: must be a positive int (trainer versions to run)")
+    every = (recipe["dataflow"].get("eval") or {}).get("every")
+    if every and stop["versions"] % every:
+        raise RecipeError(
+            f"recipe.stop.versions: {stop['versions']} is not a multiple of dataflow.eval.every "
+            f"({every}), so the final version would never be evaluated; make it one"
+        )
+    return recipe
+
+
+def _prepare(recipe: dict, run_dir: Path) -> str:
+    """Run the recipe's ``prepare`` step (e.g. build the warm-started toy policy) once per run dir."""
+    prep = recipe.get("prepare")
+    if not prep:
+        return ""
+    target = prep.get("function")
+    if not isinstance(target, str) or "." not in target:
+        raise RecipeError("recipe.prepare.function: must be an import path like pkg.module.func")
+    module_name, func_name = target.rsplit(".", 1)
+    func = getattr(importlib.import_module(module_name), func_name)
+    out = run_dir / "models" / "init"
+    if (out / "config.json").exists():
+        print(f"[launch] reusing prepared model {out}", flush=True)
+        return str(out)
+    t0 = time.time()
+    print(f"[launch] preparing the initial policy with {target} ...", flush=True)
+    func(out_dir=str(out), **(prep.get("kwargs") or {}))
+    print(f"[launch] initial policy ready in {time.time() - t0:.0f}s: {out}", flush=True)
+    return str(out)
+
+
+def _write_yaml(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _get_json(url: str, timeout: float = 5.0) -> Any:
+    import httpx
+
+    headers = {}
+    if os.environ.get("ASTRALIGHT_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['ASTRALIGHT_TOKEN']}"
+    response = httpx.get(url, timeout=timeout, headers=headers)
+    response.raise_for_status()
+    return response.json()
+
+
+def _wait_ready(url: str, component: Component, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not component.alive():
+            raise RuntimeError(f"{component.name} exited during start-up:\n{component.tail()}")
+        try:
+            _get_json(f"{url}/v1/info", timeout=2.0)
+            return
+        except Exception:
+            time.sleep(0.3)
+    raise RuntimeError(f"{component.name} not ready after {timeout_s:.0f}s:\n{component.tail()}")
+
+
+def _eval_table(url: str, model_id: str) -> dict[int, dict]:
+    try:
+        table = _get_json(f"{url}/v1/eval/{model_id}")
+    except Exception:
+        return {}
+    return {int(k): v for k, v in table.items()}
+
+
+def _policy_stats(stats: dict, model_id: str) -> dict:
+    return (stats.get("models") or {}).get(model_id, {})
+
+
+def _progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, dict],
+                   model_id: str) -> str:
+    pol = _policy_stats(stats, model_id)
+    version = pol.get("current_version", 0)
+    done = [v for v, r in sorted(evals.items()) if r.get("complete")]
+    eval_text = ""
+    if done:
+        first, last = evals[done[0]], evals[done[-1]]
+        eval_text = (f" | eval v{done[0]} {100 * first['avg_at_k']:.1f}%"
+                     f" -> v{done[-1]} {100 * last['avg_at_k']:.1f}%")
+    return (f"[{elapsed:6.0f}s] version {version}/{target}"
+            f" | trained {pol.get('samples_acked', 0)}"
+            f" | accepted {pol.get('samples_accepted', 0)}"
+            f" | queued {pol.get('queue_depth', 0)}"
+            f" | stale {pol.get('stale_dropped', 0)}{eval_text}")
+
+
+def _affinity(spec: dict) -> dict[str, list[int]]:
+    """CPU pinning per component kind, kept only where this machine has those CPUs.
+
+    On a small CPU machine vLLM's OpenMP threads spin on every core they are bound to, and a
+    trainer on the same cores slows both many times over; giving each its own cores avoids that.
+    """
+    available = os.sched_getaffinity(0)
+    out = {}
+    for kind, cpus in spec.items():
+        if kind not in ("dataflow", "raas", "trainer"):
+            raise RecipeError(f"recipe.cpu_affinity.{kind}: must be dataflow, raas or trainer")
+        wanted = set(int(c) for c in cpus)
+        if wanted and wanted <= available and len(available) > 1:
+            out[kind] = sorted(wanted)
+    return out
+
+
+def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[Component]:
+    """The run's processes, in start order: dataflow, rollout services, trainers."""
+    py = [sys.executable, "-m", "astralight.cli"]
+    env, cpus = recipe.get("env") or {}, _affinity(recipe.get("cpu_affinity") or {})
+    cfg_dir = run_dir / "configs"
+    dataflow_cfg = copy.deepcopy(recipe["dataflow"])
+    dataflow_cfg.update({"host": "127.0.0.1", "port": port})
+    dataflow_cfg.setdefault("state_dir", str(run_dir / "dataflow"))
+    comps = [Component("dataflow", py + ["dataflow", "serve", "--config",
+                                         str(_write_yaml(cfg_dir / "dataflow.yaml", dataflow_cfg))],
+                       run_dir / "logs" / "dataflow.log", env=env.get("dataflow", {}),
+                       cpus=cpus.get("dataflow"))]
+    raas_env = dict(env.get("raas", {}))
+    if "raas" in cpus:  # vLLM binds its OpenMP threads itself; tell it which cores are its own
+        raas_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus["raas"])))
+    for i, raas_cfg in enumerate(recipe["raas"]):
+        path = _write_yaml(cfg_dir / f"raas-{i}.yaml", raas_cfg)
+        comps.append(Component(f"raas-{i}", py + ["raas", "serve", "--dataflow", url, "--config",
+                                                   str(path)],
+                               run_dir / "logs" / f"raas-{i}.log",
+                               env=raas_env, cpus=cpus.get("raas")))
+    for i, trainer_cfg in enumerate(recipe["trainers"]):
+        model_id = (trainer_cfg.get("model", {}).get("init_args", {}) or {}).get("model_id", str(i))
+        path = _write_yaml(cfg_dir / f"trainer-{model_id}.yaml", trainer_cfg)
+        comps.append(Component(f"trainer-{model_id}", py + ["fit", "--config", str(path)],
+                               run_dir / "logs" / f"trainer-{model_id}.log",
+                               env=env.get("trainer", {}), cpus=cpus.get("trainer")))
+    return comps
+
+
+def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> dict:
+    """Run a recipe to completion and return the final summary (also printed as JSON)."""
+    t_start = time.time()
+    recipe = load_recipe(recipe_path)
+    name = recipe.get("name", recipe_path.stem)
+    run_dir = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[launch] run folder: {run_dir}", flush=True)
+    seed = recipe.get("seed", 0)
+    port = int(recipe.get("port") or _free_port())
+    url = f"http://127.0.0.1:{port}"
+
+    # The recipe's prepare step may itself use the placeholders (e.g. a cache under run_dir).
+    recipe = _substitute(recipe, {"run_dir": run_dir, "seed": seed, "dataflow_url": url})
+    init_model = _prepare(recipe, run_dir)
+    recipe = _substitute(recipe, {"init_model": init_model})
+    stop = recipe["stop"]
+    model_id = stop.get("model_id", "policy")
+    target = int(stop["versions"])
+
+    comps = build_components(recipe, run_dir, url, port)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    deadline = t_start + float(stop.get("timeout_s", 3600))
+    summary: dict[str, Any] = {}
+    interrupted = False
+    try:
+        comps[0].start()
+        _wait_ready(url, comps[0], timeout_s=60)
+        print(f"[launch] dataflow ready at {url}", flush=True)
+        for comp in comps[1:]:
+            comp.start()
+            print(f"[launch] started {comp.name} (log: {comp.log_path})", flush=True)
+        trainers = [c for c in comps if c.name.startswith("trainer-")]
+        services = [c for c in comps[1:] if c not in trainers]
+        last_print = 0.0
+        final_eval_deadline = None
+        while True:
+            time.sleep(1.0)
+            now = time.time()
+            if now > deadline:
+                raise RuntimeError(f"run exceeded stop.timeout_s={stop.get('timeout_s')}")
+            for comp in services + [comps[0]]:
+                if not comp.alive():
+                    raise RuntimeError(f"{comp.name} exited with {comp.proc.returncode}:\n{comp.tail()}")
+            for comp in trainers:
+                if not comp.alive() and comp.proc.returncode != 0:
+                    raise RuntimeError(f"{comp.name} failed with {comp.proc.returncode}:\n{comp.tail()}")
+            try:
+                stats = _get_json(f"{url}/v1/stats")
+            except Exception:
+                stats = {}
+            evals = _eval_table(url, model_id)
+            if not quiet and now - last_print >= float(stop.get("progress_every_s", 5)):
+                print(_progress_line(now - t_start, target, stats, evals, model_id), flush=True)
+                last_print = now
+            if all(not c.alive() for c in trainers):
+                if final_eval_deadline is None:
+                    print("[launch] trainers finished; waiting for the final evaluation", flush=True)
+                    final_eval_deadline = now + float(stop.get("final_eval_timeout_s", 300))
+                if evals.get(target, {}).get("complete") or now > final_eval_deadline:
+                    break
+        complete = sorted(v for v, r in evals.items() if r.get("complete"))
+        pol = _policy_stats(stats, model_id)
+        summary = {
+            "eval_accuracy_start": evals[complete[0]]["avg_at_k"] if complete else None,
+            "eval_accuracy_end": evals[target]["avg_at_k"] if target in complete else None,
+            "eval_pass_at_k_end": evals[target].get("pass_at_k") if target in complete else None,
+            "eval_versions": complete,
+            "eval": {v: {key: evals[v].get(key) for key in
+                         ("avg_at_k", "pass_at_k", "k", "n_prompts", "min_version", "max_version")}
+                     for v in complete},
+            "versions": pol.get("current_version"),
+            "samples_trained": pol.get("samples_acked"),
+            "wall_s": round(time.time() - t_start, 1),
+            "run_dir": str(run_dir),
+        }
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\n[launch] interrupted: stopping components", flush=True)
+    finally:
+        for comp in reversed(comps):
+            # trainers get SIGINT (Lightning's graceful stop), services SIGTERM
+            sig = signal.SIGINT if comp.name.startswith("trainer-") else signal.SIGTERM
+            comp.stop(sig)
+        print("[launch] all components stopped", flush=True)
+    if interrupted:
+        raise KeyboardInterrupt
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="astralight run", description=__doc__.split("\n")[0])
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="recipe YAML (default: the embedded toy recipe)")
+    parser.add_argument("--run-dir", default=None, help="run folder (default runs/NAME-TIMESTAMP)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
+    try:
+        run(Path(args.recipe) if args.recipe else _default_recipe(), Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
+    except RecipeError as exc:
+        print(f"astralight run: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:
+        print(f"astralight run: failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

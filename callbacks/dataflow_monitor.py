@@ -1,0 +1,128 @@
+"""DataflowMonitor: the dataflow side of a run, in the trainer's TensorBoard.
+
+The dataflow service owns the held-out evaluation and the data counters (accepted, stale-dropped,
+queue depth); the trainer only sees the batches it is served. This callback polls the service
+every ``every_n_steps`` optimizer steps and logs what it reports, so one TensorBoard shows the
+whole run: ``eval/avg_at_k`` and ``eval/pass_at_k`` at the step where each evaluated version was
+published, and ``dataflow/*`` counters at the current step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+#: dataflow counters worth a curve; the stats route has more
+STAT_KEYS = ("samples_accepted", "stale_dropped", "samples_acked", "duplicates_ignored",
+             "tasks_reissued", "queue_depth", "current_version")
+
+
+class DataflowMonitor(pl.Callback):
+    """Log the dataflow's eval results and counters for this trainer's policy.
+
+    Args:
+        dataflow_url: the dataflow service (default: the datamodule's ``dataflow_url``).
+        model_id: the policy (default: the module's ``model_id``).
+        every_n_steps: poll the service every this many optimizer steps.
+        steps_per_version: optimizer steps per published version, to place an eval of version v
+            at step ``v * steps_per_version`` (default: the WeightPublisher's ``every_n_steps``).
+        wait_final_eval_s: at the end of fit, wait up to this long for the evaluation of the
+            last published version so it reaches TensorBoard too (0: don't wait).
+        token: bearer token (default: env ``ASTRALIGHT_TOKEN``).
+    """
+
+    def __init__(self, dataflow_url: str | None = None, model_id: str | None = None,
+                 every_n_steps: int = 5, steps_per_version: int | None = None,
+                 wait_final_eval_s: float = 0.0, token: str | None = None):
+        super().__init__()
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
+        if wait_final_eval_s < 0:
+            raise ValueError(f"wait_final_eval_s: must be >= 0, got {wait_final_eval_s}")
+        self.dataflow_url, self.model_id, self.token = dataflow_url, model_id, token
+        self.every_n_steps, self.steps_per_version = every_n_steps, steps_per_version
+        self.wait_final_eval_s = wait_final_eval_s
+        self.logged_versions: set[int] = set()
+        self._client = None
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        dm = getattr(trainer, "datamodule", None)
+        self.dataflow_url = self.dataflow_url or getattr(dm, "dataflow_url", None)
+        self.model_id = self.model_id or getattr(pl_module, "model_id", None) or "policy"
+        if self.steps_per_version is None:
+            from .weight_publisher import WeightPublisher
+
+            pubs = [c for c in trainer.callbacks if isinstance(c, WeightPublisher)]
+            self.steps_per_version = pubs[0].every_n_steps if pubs else 1
+        if not self.dataflow_url:
+            raise ValueError("dataflow_url: not set and the datamodule has none; set "
+                             "callbacks[DataflowMonitor].init_args.dataflow_url")
+
+    def _get_client(self):
+        if self._client is None:
+            from astralight.dataflow.client import DataflowClient
+
+            self._client = DataflowClient(self.dataflow_url, token=self.token, retry_s=5.0)
+        return self._client
+
+    # ------------------------------------------------------------------ polling
+
+    def poll(self, trainer: pl.Trainer) -> dict:
+        """Log new complete eval results and the current counters; returns the eval table."""
+        if trainer.logger is None or trainer.global_rank != 0:
+            return {}
+        client = self._get_client()
+        try:
+            evals = client.eval_results(self.model_id)
+            stats = client.stats().get("models", {}).get(self.model_id, {})
+        except Exception as exc:  # monitoring must never stop training
+            log.warning("DataflowMonitor: dataflow not reachable (%s)", exc)
+            return {}
+        for version in sorted(evals):
+            result = evals[version]
+            if result.get("complete") and version not in self.logged_versions:
+                self.logged_versions.add(version)
+                trainer.logger.log_metrics(
+                    {"eval/avg_at_k": float(result["avg_at_k"]),
+                     "eval/pass_at_k": float(result["pass_at_k"]),
+                     "eval/version": float(version)},
+                    step=version * self.steps_per_version)
+        trainer.logger.log_metrics(
+            {f"dataflow/{k}": float(stats[k]) for k in STAT_KEYS if k in stats},
+            step=trainer.global_step)
+        return evals
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            self.poll(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        last = trainer.global_step // max(1, self.steps_per_version)
+        deadline = time.monotonic() + self.wait_final_eval_s
+        while True:
+            evals = self.poll(trainer)
+            done = evals.get(last, {}).get("complete", False)
+            if done or last in self.logged_versions or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        if trainer.logger is not None:
+            trainer.logger.finalize("success")
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict:
+        return {"logged_versions": sorted(self.logged_versions)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.logged_versions = set(state_dict.get("logged_versions", []))
