@@ -4,7 +4,7 @@
     astralight dataflow serve --config X.yaml    the dataflow service
     astralight raas serve --dataflow URL --config X.yaml   a rollout service
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
-    astralight prepare-toy --out DIR             build the toy recipe's warm-started tiny policy
+    astralight prepare-toy DIR                   build the toy recipe's warm-started tiny policy
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
 ``astralight raas`` never imports Lightning.

@@ -236,33 +236,43 @@ def _affinity(spec: dict) -> dict[str, list[int]]:
     return out
 
 
+def component_configs(recipe: dict, run_dir: Path, port: int) -> dict[str, dict]:
+    """Each component's own config (``dataflow``, ``raas-I``, ``trainer-MODEL_ID``), in start order.
+
+    These are the files a component is started with, on this machine or any other; the toy
+    recipe's are committed under ``configs/toy/`` (a test keeps them in step with the recipe).
+    """
+    dataflow_cfg = copy.deepcopy(recipe["dataflow"])
+    dataflow_cfg.update({"host": "127.0.0.1", "port": port})
+    dataflow_cfg.setdefault("state_dir", str(run_dir / "dataflow"))
+    configs = {"dataflow": dataflow_cfg}
+    for i, raas_cfg in enumerate(recipe["raas"]):
+        configs[f"raas-{i}"] = copy.deepcopy(raas_cfg)
+    for i, trainer_cfg in enumerate(recipe["trainers"]):
+        model_id = ((trainer_cfg.get("model") or {}).get("init_args") or {}).get("model_id", str(i))
+        configs[f"trainer-{model_id}"] = copy.deepcopy(trainer_cfg)
+    return configs
+
+
 def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[Component]:
     """The run's processes, in start order: dataflow, rollout services, trainers."""
     py = [sys.executable, "-m", "astralight.cli"]
     env, cpus = recipe.get("env") or {}, _affinity(recipe.get("cpu_affinity") or {})
-    cfg_dir = run_dir / "configs"
-    dataflow_cfg = copy.deepcopy(recipe["dataflow"])
-    dataflow_cfg.update({"host": "127.0.0.1", "port": port})
-    dataflow_cfg.setdefault("state_dir", str(run_dir / "dataflow"))
-    comps = [Component("dataflow", py + ["dataflow", "serve", "--config",
-                                         str(_write_yaml(cfg_dir / "dataflow.yaml", dataflow_cfg))],
-                       run_dir / "logs" / "dataflow.log", env=env.get("dataflow", {}),
-                       cpus=cpus.get("dataflow"))]
     raas_env = dict(env.get("raas", {}))
     if "raas" in cpus:  # vLLM binds its OpenMP threads itself; tell it which cores are its own
         raas_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus["raas"])))
-    for i, raas_cfg in enumerate(recipe["raas"]):
-        path = _write_yaml(cfg_dir / f"raas-{i}.yaml", raas_cfg)
-        comps.append(Component(f"raas-{i}", py + ["raas", "serve", "--dataflow", url, "--config",
-                                                   str(path)],
-                               run_dir / "logs" / f"raas-{i}.log",
-                               env=raas_env, cpus=cpus.get("raas")))
-    for i, trainer_cfg in enumerate(recipe["trainers"]):
-        model_id = (trainer_cfg.get("model", {}).get("init_args", {}) or {}).get("model_id", str(i))
-        path = _write_yaml(cfg_dir / f"trainer-{model_id}.yaml", trainer_cfg)
-        comps.append(Component(f"trainer-{model_id}", py + ["fit", "--config", str(path)],
-                               run_dir / "logs" / f"trainer-{model_id}.log",
-                               env=env.get("trainer", {}), cpus=cpus.get("trainer")))
+    comps = []
+    for name, cfg in component_configs(recipe, run_dir, port).items():
+        path = str(_write_yaml(run_dir / "configs" / f"{name}.yaml", cfg))
+        kind = name.split("-")[0]
+        if kind == "dataflow":
+            argv, kind_env = ["dataflow", "serve", "--config", path], env.get("dataflow", {})
+        elif kind == "raas":
+            argv, kind_env = ["raas", "serve", "--dataflow", url, "--config", path], raas_env
+        else:
+            argv, kind_env = ["fit", "--config", path], env.get("trainer", {})
+        comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log", env=kind_env,
+                               cpus=cpus.get(kind)))
     return comps
 
 
@@ -360,15 +370,39 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
     return summary
 
 
+def export_configs(recipe_path: Path, out_dir: Path, port: int = 8400,
+                   run_dir: str = "runs/toy", init_model: str = "models/toy-init") -> list[Path]:
+    """Write each component's config of a recipe to ``out_dir``, for starting components by hand.
+
+    Placeholders become fixed values: the dataflow at ``127.0.0.1:port``, the run folder
+    ``run_dir`` and the initial model ``init_model`` (build it with ``astralight prepare-toy``).
+    """
+    recipe = load_recipe(recipe_path)
+    values = {"run_dir": run_dir, "init_model": init_model, "seed": recipe.get("seed", 0),
+              "dataflow_url": f"http://127.0.0.1:{port}"}
+    recipe = _substitute(recipe, values)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [_write_yaml(out_dir / f"{name.split('-')[0]}.yaml", cfg)
+            for name, cfg in component_configs(recipe, Path(run_dir), port).items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astralight run", description=__doc__.split("\n")[0])
     parser.add_argument("recipe", nargs="?", default=None,
                         help="recipe YAML (default: the embedded toy recipe)")
     parser.add_argument("--run-dir", default=None, help="run folder (default runs/NAME-TIMESTAMP)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--export-configs", metavar="DIR", default=None,
+                        help="write each component's config to DIR (dataflow.yaml, raas.yaml, "
+                             "trainer.yaml) and exit, to start the components by hand")
     args = parser.parse_args(argv)
+    recipe_path = Path(args.recipe) if args.recipe else _default_recipe()
     try:
-        run(Path(args.recipe) if args.recipe else _default_recipe(), Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
+        if args.export_configs:
+            for path in export_configs(recipe_path, Path(args.export_configs)):
+                print(path)
+            return 0
+        run(recipe_path, Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
     except RecipeError as exc:
         print(f"astralight run: {exc}", file=sys.stderr)
         return 2

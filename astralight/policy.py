@@ -1,7 +1,7 @@
 """``M2POPolicy``: the LightningModule that trains one policy on batches pulled from the dataflow.
 
 One trainer process per policy (``model_id``). Each training step takes one trainer batch (see
-``/work/notes/interfaces.md``: right-padded ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
+``astralight.datamodules.rollout.collate_batch``: right-padded ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
 ``versions``, per-sample ``advantages``), computes the policy's token log-probs at the sampling
 temperature, the objective (M2PO by default), and takes **one optimizer step**; then it
 acknowledges the batch to the dataflow, so a crash before the step re-serves it.
@@ -231,7 +231,7 @@ class M2POPolicy(pl.LightningModule):
                             "datamodule=..., not its train_dataloader(), so it can pull batches")
         missing = [k for k in _BATCH_KEYS if k not in batch]
         if missing:
-            raise KeyError(f"trainer batch lacks {missing}; see interfaces.md 'Trainer batch'")
+            raise KeyError(f"trainer batch lacks {missing}; see astralight.datamodules.rollout.collate_batch")
         mid = batch.get("model_id")
         if mid is not None and mid != self.model_id:
             raise ValueError(

@@ -1,7 +1,7 @@
 """``WeightPublisher``: publishes the policy's weights to the dataflow's weight store, off the step.
 
 After every ``every_n_steps`` optimizer steps the callback publishes version
-``v = optimizer_steps // every_n_steps`` of its policy (interfaces.md). The training thread only
+``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model). The training thread only
 takes a snapshot (a bf16 copy of every floating tensor, on CPU); a background thread encodes it,
 uploads the files, and publishes the manifest. The hand-off is a bounded slot of size one: if the
 worker is still busy with an older version when a newer snapshot arrives, the newer one

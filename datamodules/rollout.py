@@ -38,7 +38,7 @@ WAIT_LOG_EVERY_S = 30.0
 
 
 def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID) -> dict[str, Any]:
-    """A protocol ``Batch`` -> the trainer batch dict of interfaces.md (right-padded to the longest).
+    """A protocol ``Batch`` -> the trainer batch dict (right-padded to the longest).
 
     Keys: ``input_ids`` / ``attention_mask`` / ``versions`` long ``[B, T]`` (versions -1 on
     padding), ``loss_mask`` / ``behaviour_logprobs`` float ``[B, T]``, ``advantages`` /

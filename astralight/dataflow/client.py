@@ -42,7 +42,13 @@ class DataflowUnreachable(DataflowError):
 
 
 class DataflowClient:
-    """See notes/interfaces.md for the contract of every method."""
+    """The one way components talk to the dataflow service (msgpack over HTTP).
+
+    RaaS: register, heartbeat, lease, push. Trainers: pull_batch, ack, upload_weight_file, publish.
+    Everyone: info, stats, eval_results, current_version, manifests and weight downloads.
+    Connection failures are retried with backoff for ``retry_s`` (a restarting service is waited
+    for); an HTTP error answer raises :class:`DataflowError` with the server's message and field.
+    """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0,
                  retry_s: float = 60.0):
