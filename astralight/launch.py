@@ -367,6 +367,10 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         raise KeyboardInterrupt
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
+    if (recipe["dataflow"].get("eval") or {}).get("source") and summary.get("eval_accuracy_end") is None:
+        raise RuntimeError(f"the final evaluation of version {target} did not complete within "
+                           f"stop.final_eval_timeout_s={stop.get('final_eval_timeout_s', 300)}; "
+                           f"see {run_dir / 'logs'}")
     return summary
 
 
