@@ -23,7 +23,12 @@ YAML keys (defaults in brackets)::
     weight_check_interval_s: 2.0, background_weight_sync: true,
     progress_interval_s: 10.0, heartbeat_interval_s: null (= lease_seconds / 3),
     instance_id: null, token: null (or env ASTRALIGHT_TOKEN), max_cycles: null,
-    dataflow_give_up_s: 600 (exit 1 when every dataflow call has failed for this long)
+    dataflow_give_up_s: 600 (exit 1 when every dataflow call has failed for this long),
+    push_concurrency: 8 (pushes in flight at once; hides a far dataflow's round-trip time),
+    weight_download_dir: null (a temporary folder), weight_stream_min_bytes: 67108864
+    (weight files at least this large are streamed to disk, not held in memory),
+    held_weights_report: null (at shutdown, write JSON checksums of the weights each engine
+    holds, read back from the engine, next to its manifest's; for audits and tests)
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ class RaaSConfig:
     token: Optional[str] = None
     max_cycles: Optional[int] = None
     dataflow_give_up_s: float = 600.0
+    push_concurrency: int = 8
+    weight_download_dir: Optional[str] = None
+    weight_stream_min_bytes: int = 64 << 20
+    held_weights_report: Optional[str] = None
 
 
 def build_parser():
@@ -90,6 +99,14 @@ def build_parser():
                    help="stop after this many lease cycles (benchmarks, tests)")
     p.add_argument("--dataflow_give_up_s", type=float, default=600.0,
                    help="exit 1 when the dataflow has failed every call for this long")
+    p.add_argument("--push_concurrency", type=int, default=8,
+                   help="pushes in flight at once (hides the round-trip time of a far dataflow)")
+    p.add_argument("--weight_download_dir", type=Optional[str], default=None,
+                   help="where large weight files are streamed to (default: a temporary folder)")
+    p.add_argument("--weight_stream_min_bytes", type=int, default=64 << 20,
+                   help="weight files at least this large are streamed to disk")
+    p.add_argument("--held_weights_report", type=Optional[str], default=None,
+                   help="at shutdown, write JSON checksums of the weights each engine holds")
     return p
 
 
@@ -124,6 +141,10 @@ def validate(config: RaaSConfig) -> None:
         raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
     if config.poll_interval_s < 0:
         raise ValueError("poll_interval_s: must be >= 0")
+    if config.push_concurrency < 1:
+        raise ValueError(f"push_concurrency: must be >= 1, got {config.push_concurrency}")
+    if config.weight_stream_min_bytes < 0:
+        raise ValueError("weight_stream_min_bytes: must be >= 0 (0 streams every file to disk)")
 
 
 def import_object(path: str) -> Any:

@@ -74,7 +74,14 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, named_tensors: dict[str, Any], version: int) -> None:
-        """Replace the weights (checkpoint names, full tensors) and set ``version``."""
+        """Replace the weights (checkpoint names, full tensors) and set ``version``.
+
+        Optional partial updates: an engine that also has
+        ``weight_update_names(changed, all_names) -> list[str]`` (the names that must travel with
+        ``changed``, e.g. whole fused modules) accepts ``update_weights(subset, version,
+        partial=True)`` with exactly such a subset; the weight sync then sends only what changed.
+        An engine without it always receives the whole state.
+        """
         ...
 
     def close(self) -> None:

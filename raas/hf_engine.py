@@ -59,12 +59,26 @@ class HFEngine:
             out.append(Completion(tokens, logprobs, reason))
         return out
 
-    def update_weights(self, named_tensors: dict[str, Any], version: int) -> None:
-        missing, unexpected = self.model.load_state_dict(
+    def update_weights(self, named_tensors: dict[str, Any], version: int, partial: bool = False) -> None:
+        """Load the given tensors (all, or with ``partial=True`` any subset) and set ``version``."""
+        _, unexpected = self.model.load_state_dict(
             {k: v.float() for k, v in named_tensors.items()}, strict=False)
         if unexpected:
             raise KeyError(f"named_tensors: unknown tensors {sorted(unexpected)[:5]}")
         self.version = int(version)
+
+    def weight_update_names(self, changed, all_names) -> list[str]:
+        """Every parameter loads on its own here (no fused modules): just the changed ones."""
+        changed = set(changed)
+        return [n for n in all_names if n in changed]
+
+    def held_weights(self, shapes=None) -> dict[str, Any]:
+        """The weights this engine computes with, cast to bf16, under checkpoint names."""
+        import torch
+
+        sd = self.model.state_dict()
+        names = list(sd) if shapes is None else [n for n in shapes if n in sd]
+        return {n: sd[n].detach().to(torch.bfloat16).clone() for n in names}
 
     def close(self) -> None:
         self.model = None

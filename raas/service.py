@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,6 +75,10 @@ class RaaSService:
         self._started = time.monotonic()
         self._last_progress = time.monotonic()
         self._failing_since: float | None = None
+        self._push_pool: ThreadPoolExecutor | None = None
+        self._tls = threading.local()
+        self._push_clients: list = []
+        self._clients_lock = threading.Lock()
 
     def _default_client_factory(self):
         from astralight.dataflow.client import DataflowClient
@@ -98,7 +103,9 @@ class RaaSService:
         for mid in cfg.model_ids:
             self.syncs[mid] = WeightSync(self.client_factory, mid, self.engines[mid],
                                          check_interval_s=cfg.weight_check_interval_s,
-                                         background=cfg.background_weight_sync).start()
+                                         background=cfg.background_weight_sync,
+                                         download_dir=cfg.weight_download_dir,
+                                         stream_min_bytes=cfg.weight_stream_min_bytes).start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="raas-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -167,25 +174,61 @@ class RaaSService:
             return 0
         self.counters.generate_s += time.perf_counter() - start
         done = 0
+        to_push = []
         for task in runnable:
             samples = results.get(task.task_id, [])
             if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
                 self.counters.empty_tasks += 1
                 continue
-            try:
-                reply = self.client.push(self.instance_id, task.task_id, samples)
-            except Exception as exc:
+            to_push.append((task, samples))
+        unreachable = None
+        for (task, samples), outcome in zip(to_push, self._push_all(to_push)):
+            if isinstance(outcome, Exception):
                 self.counters.push_errors += 1
-                log.error("push of task %s refused: %s", task.task_id, exc)
-                if not _status(exc):  # None/0: the dataflow is unreachable, let serve() count it
-                    raise
+                log.error("push of task %s refused: %s", task.task_id, outcome)
+                if not _status(outcome):  # None/0: the dataflow is unreachable
+                    unreachable = unreachable or outcome
                 continue
             done += 1
-            self.counters.samples_pushed += int(reply.get("accepted", len(samples)))
-            self.counters.duplicate_pushes += bool(reply.get("duplicate"))
+            self.counters.samples_pushed += int(outcome.get("accepted", len(samples)))
+            self.counters.duplicate_pushes += bool(outcome.get("duplicate"))
             self.counters.tokens_generated += sum(int(s.loss_mask.sum()) for s in samples)
         self.counters.tasks_done += done
+        if unreachable is not None:  # let serve() count it and back off
+            raise unreachable
         return done
+
+    def _push_all(self, items: list) -> list:
+        """Push each ``(task, samples)``; return each reply or exception, in order.
+
+        Up to ``push_concurrency`` pushes are in flight at once (each thread with its own
+        client): on a link with tens of ms of round-trip time, one push per round trip would
+        otherwise cost more than generating the samples. Pushes are idempotent per task, so a
+        retried or reordered push is harmless.
+        """
+        def one(task, samples, client):
+            try:
+                return client.push(self.instance_id, task.task_id, samples)
+            except Exception as exc:
+                return exc
+
+        workers = min(self.config.push_concurrency, len(items))
+        if workers <= 1:
+            return [one(task, samples, self.client) for task, samples in items]
+        if self._push_pool is None:
+            self._push_pool = ThreadPoolExecutor(max_workers=self.config.push_concurrency,
+                                                 thread_name_prefix="raas-push")
+        futures = [self._push_pool.submit(lambda t=t, s=s: one(t, s, self._thread_client()))
+                   for t, s in items]
+        return [f.result() for f in futures]
+
+    def _thread_client(self):
+        client = getattr(self._tls, "client", None)
+        if client is None:
+            client = self._tls.client = self.client_factory()
+            with self._clients_lock:
+                self._push_clients.append(client)
+        return client
 
     def _catch_up_for_evals(self, tasks: list) -> None:
         """An eval task of version v is scheduled when v is published, possibly before this RaaS
@@ -235,12 +278,16 @@ class RaaSService:
         refreshes = sum(s.refreshes for s in self.syncs.values())
         pause = sum(s.pause_s_total for s in self.syncs.values())
         failures = sum(s.failures for s in self.syncs.values())
+        fulls = sum(s.full_pulls for s in self.syncs.values())
+        deltas = sum(s.delta_pulls for s in self.syncs.values())
+        fallbacks = sum(s.full_fallbacks for s in self.syncs.values())
         tok_s = c.tokens_generated / c.generate_s if c.generate_s > 0 else 0.0
         versions = " ".join(f"{m}=v{e.version}" for m, e in (self.engines or {}).items())
         return (f"[raas {time.monotonic() - self._started:6.0f}s] cycles {c.cycles}"
                 f" | tasks {c.tasks_done} | samples {c.samples_pushed} (dup {c.duplicate_pushes})"
                 f" | tok/s {tok_s:.0f} | refreshes {refreshes}"
-                f" (pause {pause:.2f}s) | {versions} | errors wf={c.workflow_errors}"
+                f" (pause {pause:.2f}s, pulls full={fulls} delta={deltas}"
+                f" full_fallbacks={fallbacks}) | {versions} | errors wf={c.workflow_errors}"
                 f" push={c.push_errors} dataflow={c.dataflow_errors} weights={failures}"
                 f" empty={c.empty_tasks} unsupported={c.unsupported_tasks}")
 
@@ -258,10 +305,68 @@ class RaaSService:
         self.say("raas stopping: finishing the current cycle")
         self.stop_event.set()
 
+    def write_held_weights_report(self, path: str) -> dict:
+        """Write what each engine holds (read back from the engine) next to what it should hold.
+
+        JSON ``{model_id: {version, manifest_version, held: {name: sha256}, expected: {name:
+        sha256}, mismatched: [names]}}``; ``expected`` are the checksums in the manifest of the
+        shadow copy's version (the trainer's bf16 cast). Reading back costs about one forward
+        pass per hidden size; it is meant for audits and tests, not for every refresh.
+        """
+        import json
+
+        from astralight.weights.bf16 import tensor_checksum
+
+        report = {}
+        for mid, engine in (self.engines or {}).items():
+            sync = self.syncs.get(mid)
+            if sync is not None:
+                sync.apply_ready(wait=True)  # the engine on the newest verified version
+            manifest = sync.state.manifest if sync is not None else None
+            if manifest is not None and manifest.version != engine.version:
+                manifest = None  # not what the engine holds: nothing to compare with
+            entry: dict[str, Any] = {"version": int(engine.version),
+                                     "manifest_version": manifest.version if manifest else None}
+            held_fn = getattr(engine, "held_weights", None)
+            if held_fn is None:
+                entry["error"] = f"{type(engine).__name__} cannot report its weights"
+            else:
+                shapes = {n: t["shape"] for n, t in manifest.tensors.items()} if manifest else None
+                held = held_fn(shapes)
+                entry["held"] = {n: tensor_checksum(t) for n, t in held.items()}
+                if manifest is not None:
+                    entry["expected"] = {n: t["sha256"] for n, t in manifest.tensors.items()}
+                    entry["mismatched"] = sorted(n for n, sha in entry["expected"].items()
+                                                 if entry["held"].get(n) != sha)
+            if sync is not None:
+                entry["sync"] = {**sync.stats(), "events": list(sync.events)}
+            report[mid] = entry
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        for mid, entry in report.items():
+            bad = entry.get("mismatched")
+            self.say(f"raas held weights {mid} v{entry['version']}: "
+                     + ("verified against the manifest" if bad == [] else
+                        f"{len(bad)} tensors differ from the manifest" if bad else
+                        entry.get("error", "no manifest to compare with")))
+        return report
+
     def close(self) -> None:
         self.stop_event.set()
         for sync in self.syncs.values():
-            sync.close()
+            sync.close()  # stops its thread; the shadow copy stays readable
+        if self.config.held_weights_report and self.engines:
+            try:
+                self.write_held_weights_report(self.config.held_weights_report)
+            except Exception:
+                log.exception("could not write held_weights_report")
+        if self._push_pool is not None:
+            self._push_pool.shutdown(wait=True)
+            self._push_pool = None
+        for client in self._push_clients:
+            if client is not self.client:
+                client.close()
+        self._push_clients = []
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         if self.client is not None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from astralight.raas.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class VLLMEngine:
         self.version = version
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.packed_modules = self._packed_modules()
         self.warmup_s = 0.0
         if warmup:
             start = time.perf_counter()
@@ -145,10 +148,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: dict[str, Any], version: int) -> None:
-        """Load a full set of checkpoint-named tensors in place and set ``version``.
+    def update_weights(self, named_tensors: dict[str, Any], version: int, partial: bool = False) -> None:
+        """Load checkpoint-named tensors in place and set ``version``.
 
-        All tensors go in ONE collective_rpc call as safetensors bytes (fused q/k/v and gate/up
+        ``named_tensors`` is the full state, or with ``partial=True`` whole engine modules only
+        (:meth:`weight_update_names` computes them; unsent modules keep their weights). All
+        tensors go in ONE collective_rpc call as safetensors bytes (fused q/k/v and gate/up
         parameters need all their shards together); floating tensors are cast to the engine's
         dtype first (half the bytes for fp32 masters; vLLM would cast them anyway). The prefix
         cache is reset because cached KV blocks were computed by the old weights.
@@ -156,11 +161,40 @@ class VLLMEngine:
         if not named_tensors:
             raise ValueError("named_tensors: nothing to load")
         blob = safetensors_blob(named_tensors, self.dtype)
-        counts = self.llm.collective_rpc("load_safetensors", args=(blob,))
+        counts = self.llm.collective_rpc("load_safetensors", args=(blob, bool(partial)))
         if any(c != len(named_tensors) for c in counts):
             raise RuntimeError(f"update_weights: workers loaded {counts} of {len(named_tensors)} tensors")
         self.llm.reset_prefix_cache()
         self.version = int(version)
+
+    def weight_update_names(self, changed: Iterable[str], all_names: Iterable[str]) -> list[str]:
+        """Names to send so that ``changed`` reaches the engine: whole fused modules."""
+        return expand_to_modules(changed, all_names, self.packed_modules)
+
+    def held_weights(self, shapes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The bf16 weights the engine computes with, under checkpoint names (tensor parallel 1).
+
+        ``shapes`` (``{name: shape}``, e.g. a manifest's tensor table) crops padded rows (vLLM
+        pads the vocabulary) and restricts the result to those names. For tests and audits: it
+        probes every linear kernel, so it costs about one forward pass per hidden size.
+        """
+        from safetensors.torch import load
+
+        names = None if shapes is None else list(shapes)
+        blobs = self.llm.collective_rpc("held_weights", args=(names,))
+        held = load(bytes(blobs[0]))
+        if shapes is not None:
+            held = {n: held[n][tuple(slice(0, int(s)) for s in shapes[n])].contiguous()
+                    for n in names if n in held}
+        return held
+
+    def _packed_modules(self) -> dict[str, list[str]]:
+        try:
+            return self.llm.collective_rpc("packed_modules_mapping")[0] or dict(DEFAULT_PACKED_MODULES)
+        except Exception as exc:  # an older worker extension: assume the Llama/Qwen fusions
+            log.warning("packed_modules_mapping unavailable (%s); assuming %s", exc,
+                        DEFAULT_PACKED_MODULES)
+            return dict(DEFAULT_PACKED_MODULES)
 
     def close(self) -> None:
         """Shut the engine core down and free its memory."""

@@ -1,28 +1,51 @@
-"""Keep an engine on the latest published weights of its policy.
+"""Keep an engine on the latest published weights of its policy, moving only what changed.
 
 Version ``v`` of a policy is a :class:`~astralight.protocol.WeightManifest` in the dataflow's
-weight store, either ``full`` (bf16 safetensors) or a ``delta`` onto exactly ``base_version``.
-A :class:`WeightSync` holds the bf16 state of the newest version it has verified in an
-:class:`astralight.weights.artifacts.WeightState` (which does all verification: file size and
-sha256, every tensor's dtype/shape/sha256, delta base version and base digest). To reach the
-latest version it walks the ``base_version`` chain back from the latest manifest until a delta
-applies onto what it holds or a full version is reached, downloads those files and applies them
-oldest first. Any failure drops the held state, so the next attempt starts from a full version
-(ARCHITECTURE.md rule 5); a corrupt or partial download never reaches the engine.
+weight store, either ``full`` (bf16 safetensors) or a ``delta`` onto exactly ``base_version``
+(ARCHITECTURE.md rule 5). A :class:`WeightSync` keeps a bf16 *shadow copy* of the newest version
+it has verified in an :class:`astralight.weights.artifacts.WeightState` (which does all
+verification: file size and sha256, every tensor's dtype/shape/sha256, delta base version and base
+digest) and brings the engine to it.
 
-Fetching and verifying are split from loading so that the slow part runs off the generation path:
-with ``background=True`` a thread keeps the held state current while the engine generates, and
-the service calls :meth:`WeightSync.apply_ready` between lease cycles, which only pays the engine's
-in-place load (the "refresh pause"). With ``background=False`` :meth:`refresh` does both, between
-cycles. The engine always receives the complete state: fused parameters (q/k/v, gate/up) need all
-their shards in one load.
+Choosing what to download. From the latest manifest it walks ``base_version`` links back:
+
+* **delta route** -- the walk reaches the version the shadow copy holds: download only the deltas
+  after it (the usual case: one delta per new version);
+* **full route** -- a newcomer (nothing held), or the held version is not in the chain, or the
+  deltas would weigh more than the last full version plus the deltas after it: download that
+  full version and the deltas after it.
+
+Any failure on a delta route (a corrupt or truncated download, a checksum mismatch, a delta onto
+another base) is counted in ``full_fallbacks``, logged with its reason, and followed at once by
+the full route. If that fails too, ``failures`` is counted, the engine keeps serving the version
+it has, and the next try waits with an exponential backoff (a newer version resets it). A corrupt
+or partial download never reaches the engine.
+
+Off the generation path. With ``background=True`` a thread downloads (files of at least
+``stream_min_bytes`` are streamed to ``download_dir`` with HTTP Range resume instead of being held
+in memory), verifies and applies versions to the shadow copy while the engine generates. Between
+lease cycles the service calls :meth:`WeightSync.apply_ready`, which pays only the engine's
+in-place load (the "refresh pause") and never waits for the thread: if the thread is applying a
+version right then, the load is simply left to the next cycle.
+
+Pushing only what changed. The sync remembers the tensor table (per-tensor sha256) of what the
+engine holds. A refresh sends the tensors whose checksum differs, expanded by the engine's
+``weight_update_names`` to whole engine modules (fused q/k/v and gate/up travel together, see
+:mod:`astralight.raas.weight_groups`), in one call; the engine resets its prefix cache and sets the
+version that stamps new tokens. This works across full versions too: a periodic full that changes
+5% of the tensors pushes 5%. When what the engine holds is unknown (the initial model, or a failed
+load) everything is sent.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
+from collections import deque
+from pathlib import Path
 from typing import Any, Callable
 
 from astralight.protocol import WeightManifest
@@ -30,9 +53,18 @@ from astralight.weights.artifacts import WeightState
 
 log = logging.getLogger(__name__)
 
+#: files at least this large are streamed to disk instead of being held in memory
+DEFAULT_STREAM_MIN_BYTES = 64 << 20
+#: longest chain of manifests walked back from the latest one
+MAX_CHAIN = 10_000
+
 
 class WeightSyncError(RuntimeError):
     """The weight store's manifests cannot lead to a usable version."""
+
+
+def _route_bytes(route: list[WeightManifest]) -> int:
+    return sum(int(info.get("bytes", 0)) for m in route for info in m.files.values())
 
 
 class WeightSync:
@@ -44,15 +76,32 @@ class WeightSync:
         engine: an :class:`astralight.raas.engine.Engine`.
         check_interval_s: how often to look for a newer version.
         background: verify new versions in a thread while generation continues.
+        download_dir: where large files are streamed to (default: a temporary folder removed by
+            :meth:`close`).
+        stream_min_bytes: files at least this large go to disk, smaller ones stay in memory.
+        min_backoff_s, max_backoff_s: after a failed version, wait ``min_backoff_s`` before
+            retrying it, doubling per further failure up to ``max_backoff_s``.
+
+    Counters (cumulative): ``refreshes`` (engine loads), ``full_pulls`` / ``delta_pulls``
+    (artifacts applied to the shadow copy), ``full_fallbacks`` (delta routes abandoned for a full
+    pull), ``failures`` (checks that left the engine on an older version), ``fetched_bytes``,
+    ``fetch_s_total``, ``pause_s_total``, ``tensors_pushed``, ``partial_pushes``; ``events``
+    keeps the last checks (version, route, bytes, seconds) for benchmarks.
     """
 
     def __init__(self, client_factory: Callable[[], Any], model_id: str, engine: Any,
-                 check_interval_s: float = 2.0, background: bool = True):
+                 check_interval_s: float = 2.0, background: bool = True,
+                 download_dir: str | Path | None = None,
+                 stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES, min_backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0):
         self.client_factory = client_factory
         self.model_id = model_id
         self.engine = engine
         self.check_interval_s = check_interval_s
         self.background = background
+        self.stream_min_bytes = int(stream_min_bytes)
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
         self.state = WeightState()
         self.refreshes = 0
         self.pause_s_total = 0.0
@@ -60,92 +109,250 @@ class WeightSync:
         self.fetch_s_total = 0.0
         self.fetched_bytes = 0
         self.failures = 0
+        self.full_fallbacks = 0
+        self.full_pulls = 0
+        self.delta_pulls = 0
+        self.tensors_pushed = 0
+        self.last_pushed = 0
+        self.partial_pushes = 0
+        self.last_error: str | None = None
+        self.events: deque[dict] = deque(maxlen=1000)
+        self._engine_tensors: dict[str, dict] | None = None  # tensor table of what the engine holds
+        self._download_dir = Path(download_dir) if download_dir is not None else None
+        self._own_dir = False
         self._lock = threading.Lock()  # guards self.state: the thread writes, apply_ready reads
         self._check_lock = threading.Lock()  # one check at a time (thread vs forced refresh)
         self._stop = threading.Event()
         self._last_check = float("-inf")
+        self._fail_version: int | None = None
+        self._fail_count = 0
+        self._retry_at = float("-inf")
         self._client = None
         self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ fetching
+    # ------------------------------------------------------------------ planning
 
     def _held_version(self) -> int:
         held = self.state.version
         return max(int(self.engine.version), -1 if held is None else held)
 
-    def plan(self, client: Any, latest: WeightManifest) -> list[WeightManifest]:
-        """Manifests to apply, oldest first, to go from the held state to ``latest``."""
+    def plan(self, client: Any, latest: WeightManifest, from_full: bool = False) -> list[WeightManifest]:
+        """Manifests to apply, oldest first, to go from the held state to ``latest``.
+
+        A delta route (starting with a delta onto the held version) is returned unless it
+        downloads more bytes than the full route; ``from_full=True`` forces the full route.
+        """
+        held = None if from_full else self.state.version
         chain, m = [latest], latest
-        while m.kind == "delta" and m.base_version != self.state.version:
-            if len(chain) > 10_000:
-                raise WeightSyncError(f"{self.model_id}: no full version below v{latest.version}")
+        while m.kind == "delta" and m.base_version != held:
+            if len(chain) > MAX_CHAIN:
+                raise WeightSyncError(f"{self.model_id}: no full version within {MAX_CHAIN} "
+                                      f"versions below v{latest.version}")
             m = client.manifest(self.model_id, m.base_version)
             chain.append(m)
-        wrong = [m.version for m in chain if m.model_id != self.model_id]
+        route = chain[::-1]
+        if route[0].kind == "delta" and len(route) > 1:
+            # several deltas behind: compare with the full route (manifests are cached)
+            try:
+                full_route = self.plan(client, latest, from_full=True)
+            except Exception:  # e.g. older manifests collected: the delta route still works
+                full_route = None
+            if full_route is not None and _route_bytes(full_route) < _route_bytes(route):
+                route = full_route
+        wrong = [m.version for m in route if m.model_id != self.model_id]
         if wrong:
             raise WeightSyncError(f"manifest.model_id: versions {wrong} are not of {self.model_id!r}")
-        return chain[::-1]
+        return route
 
-    def check(self, client: Any) -> int | None:
-        """Bring the held state to the latest version if it is newer; return that version."""
+    # ------------------------------------------------------------------ fetching
+
+    def _dir(self) -> Path:
+        if self._download_dir is None:
+            self._download_dir = Path(tempfile.mkdtemp(prefix=f"astralight-weights-{self.model_id}-"))
+            self._own_dir = True
+        self._download_dir.mkdir(parents=True, exist_ok=True)
+        return self._download_dir
+
+    def _fetch(self, client: Any, manifest: WeightManifest) -> dict[str, Any]:
+        """Download one version's files: small ones to memory, large ones streamed to disk."""
+        files: dict[str, Any] = {}
+        for name, info in manifest.files.items():
+            size = int(info.get("bytes", 0))
+            if size >= self.stream_min_bytes:
+                path = self._dir() / f"{self.model_id}-{manifest.version}-{name}"
+                files[name] = client.download_weight_file_to(self.model_id, manifest.version,
+                                                             name, path)
+            else:
+                files[name] = client.download_weight_file(self.model_id, manifest.version, name)
+            self.fetched_bytes += size
+        return files
+
+    def _discard(self, files: dict[str, Any]) -> None:
+        for src in files.values():
+            if isinstance(src, Path):
+                src.unlink(missing_ok=True)
+
+    def _follow(self, client: Any, route: list[WeightManifest]) -> None:
+        """Apply ``route`` to the shadow copy (a full route builds a new one, then swaps it in)."""
+        if route[0].kind == "full":
+            with self._lock:
+                self.state = WeightState()  # free the old copy first: one model's worth of memory
+            target = WeightState()
+            for manifest in route:
+                files = self._fetch(client, manifest)
+                try:
+                    target.apply(manifest, files)
+                finally:
+                    self._discard(files)
+                self._count_pull(manifest)
+            with self._lock:
+                self.state = target
+            return
+        for manifest in route:
+            files = self._fetch(client, manifest)
+            try:
+                with self._lock:
+                    self.state.apply(manifest, files)
+            finally:
+                self._discard(files)
+            self._count_pull(manifest)
+
+    def _count_pull(self, manifest: WeightManifest) -> None:
+        if manifest.kind == "full":
+            self.full_pulls += 1
+        else:
+            self.delta_pulls += 1
+
+    def check(self, client: Any, force: bool = False) -> int | None:
+        """Bring the shadow copy to the latest version if it is newer; return that version."""
         with self._check_lock:
-            return self._check(client)
+            return self._check(client, force)
 
-    def _check(self, client: Any) -> int | None:
+    def _check(self, client: Any, force: bool) -> int | None:
         latest = client.latest_manifest(self.model_id)
         if latest is None or latest.version <= self._held_version():
             return None
+        if (not force and latest.version == self._fail_version
+                and time.monotonic() < self._retry_at):
+            return None  # backing off after a failure of this very version
         start = time.perf_counter()
+        bytes_before = self.fetched_bytes
         try:
-            for manifest in self.plan(client, latest):
-                files = {name: client.download_weight_file(self.model_id, manifest.version, name)
-                         for name in manifest.files}
-                self.fetched_bytes += sum(len(d) for d in files.values())
-                with self._lock:
-                    self.state.apply(manifest, files)
+            route = self.plan(client, latest)
+            kind = route[0].kind
+            try:
+                self._follow(client, route)
+            except Exception as exc:
+                if kind != "delta":
+                    raise
+                self.full_fallbacks += 1
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("%s: delta route to v%d failed (%s); falling back to a full pull",
+                            self.model_id, latest.version, reason)
+                kind = "fallback"
+                route = self.plan(client, latest, from_full=True)
+                self._follow(client, route)
         except Exception:
-            with self._lock:
-                self.state = WeightState()  # start over from a full version next time
+            self._fail_version = latest.version
+            self._fail_count += 1
+            self._retry_at = time.monotonic() + min(
+                self.max_backoff_s, self.min_backoff_s * 2 ** (self._fail_count - 1))
             raise
-        self.fetch_s_total += time.perf_counter() - start
+        finally:
+            self._cleanup_downloads()
+        self._fail_version, self._fail_count = None, 0
+        seconds = time.perf_counter() - start
+        self.fetch_s_total += seconds
+        self.events.append({"version": latest.version, "route": kind, "manifests": len(route),
+                            "bytes": self.fetched_bytes - bytes_before, "seconds": seconds,
+                            "ready_at": time.time()})
         return latest.version
 
-    def _check_logged(self, client: Any) -> None:
+    def _cleanup_downloads(self) -> None:
+        """Remove finished files; keep ``.part`` files so a retry resumes them."""
+        if self._download_dir is None or not self._download_dir.exists():
+            return
+        for path in self._download_dir.iterdir():
+            if path.is_file() and not path.name.endswith(".part"):
+                path.unlink(missing_ok=True)
+
+    def _check_logged(self, client: Any, force: bool = False) -> None:
         try:
-            self.check(client)
+            self.check(client, force)
         except Exception as exc:  # keep serving on the weights the engine has
             self.failures += 1
-            log.error("weight sync for %s failed (next try pulls a full version): %s",
-                      self.model_id, exc)
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("weight sync for %s failed; the engine stays on v%s and retries later: %s",
+                      self.model_id, self.engine.version, self.last_error)
 
     # ------------------------------------------------------------------ applying
 
-    def apply_ready(self) -> float | None:
-        """Load the held state into the engine if it is newer; return the pause in seconds."""
-        with self._lock:
-            version = self.state.version
+    def apply_ready(self, wait: bool = False) -> float | None:
+        """Load the shadow copy into the engine if it is newer; return the pause in seconds.
+
+        Sends only the tensors whose checksum differs from what the engine holds (whole engine
+        modules). Returns None at once, without waiting, while the background thread is applying
+        a version (unless ``wait``); the next cycle loads it.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            state = self.state
+            version = state.version
             if version is None or version <= self.engine.version:
                 return None
+            table = state.manifest.tensors
+            all_names = list(state.state)
+            names, partial = all_names, False
+            update_names = getattr(self.engine, "weight_update_names", None)
+            if self._engine_tensors is not None and update_names is not None:
+                changed = [n for n in all_names if self._engine_tensors.get(n) != table[n]]
+                names = list(update_names(changed, all_names))
+                partial = len(names) < len(all_names)
             start = time.perf_counter()
-            self.engine.update_weights(self.state.tensors(), version)
+            if not names:  # bit-identical to what the engine holds: only the version moves
+                self.engine.version = int(version)
+            else:
+                self._engine_tensors = None  # unknown until the load has succeeded
+                if partial:
+                    self.engine.update_weights(state.tensors(names), version, partial=True)
+                else:
+                    self.engine.update_weights(state.tensors(names), version)
+            self._engine_tensors = dict(table)
             pause = time.perf_counter() - start
+        finally:
+            self._lock.release()
         self.refreshes += 1
+        self.partial_pushes += partial
+        self.last_pushed = len(names)
+        self.tensors_pushed += len(names)
         self.pause_s_total += pause
         self.last_pause_s = pause
-        log.info("%s: now on v%d (pause %.3f s)", self.model_id, version, pause)
+        log.info("%s: now on v%d (pushed %d of %d tensors, pause %.3f s)", self.model_id, version,
+                 len(names), len(all_names), pause)
         return pause
 
     def refresh(self, force: bool = False) -> float | None:
         """Between cycles. Foreground mode: check (at most every check_interval_s) then load;
         background mode: just load what the thread has verified. ``force`` checks now in either
-        mode (e.g. an eval task for a version the engine does not have yet)."""
+        mode, ignoring any backoff, and waits for the load (e.g. an eval task for a version the
+        engine does not have yet)."""
         now = time.monotonic()
         if force or (not self.background and now - self._last_check >= self.check_interval_s):
             self._last_check = now
             if self._client is None:
                 self._client = self.client_factory()
-            self._check_logged(self._client)
-        return self.apply_ready()
+            self._check_logged(self._client, force)
+        return self.apply_ready(wait=force or not self.background)
+
+    def stats(self) -> dict:
+        """Counters for progress lines and reports."""
+        return {"version": int(self.engine.version), "refreshes": self.refreshes,
+                "full_pulls": self.full_pulls, "delta_pulls": self.delta_pulls,
+                "full_fallbacks": self.full_fallbacks, "failures": self.failures,
+                "fetched_bytes": self.fetched_bytes, "fetch_s_total": round(self.fetch_s_total, 4),
+                "pause_s_total": round(self.pause_s_total, 4), "tensors_pushed": self.tensors_pushed,
+                "partial_pushes": self.partial_pushes, "last_error": self.last_error}
 
     # ------------------------------------------------------------------ background thread
 
@@ -173,3 +380,5 @@ class WeightSync:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._own_dir and self._download_dir is not None:
+            shutil.rmtree(self._download_dir, ignore_errors=True)

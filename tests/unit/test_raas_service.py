@@ -144,3 +144,42 @@ def test_stop_request_ends_serve_after_the_cycle():
     assert "raas stopping" in out.getvalue()
     with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
         svc.request_stop()
+
+
+class Refused(Exception):
+    status = 422
+
+
+class Unreachable(Exception):
+    status = None
+
+
+def test_concurrent_pushes_count_refusals_and_raise_when_unreachable():
+    import threading
+
+    class Flaky(FakeDataflow):
+        def __init__(self, tasks):
+            super().__init__(tasks)
+            self.threads = set()
+
+        def push(self, instance_id, task_id, samples):
+            self.threads.add(threading.current_thread().name)
+            if task_id == "t1":
+                raise Refused("samples[0].token_ids: bad")
+            if task_id == "t2":
+                raise Unreachable("connection refused")
+            return super().push(instance_id, task_id, samples)
+
+    flow = Flaky([_task(i) for i in range(4)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), push_concurrency=4)
+    svc.config.max_concurrency = 4
+    svc.start()
+    try:
+        with pytest.raises(Unreachable):
+            svc.run_cycle()
+    finally:
+        svc.close()
+    assert sorted(flow.pushed) == ["t0", "t3"]  # every push was tried before raising
+    c = svc.counters
+    assert (c.tasks_done, c.push_errors, c.samples_pushed) == (2, 2, 6)
+    assert all(name.startswith("raas-push") for name in flow.threads)
