@@ -1,42 +1,151 @@
-"""``WeightPublisher``: publishes the policy's weights to the dataflow's weight store, off the step.
+"""``WeightPublisher``: publishes the policy's weights as bf16 bit-diff deltas, off the step.
 
 After every ``every_n_steps`` optimizer steps the callback publishes version
-``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model). The training thread only
-takes a snapshot (a bf16 copy of every floating tensor, on CPU); a background thread encodes it,
-uploads the files, and publishes the manifest. The hand-off is a bounded slot of size one: if the
-worker is still busy with an older version when a newer snapshot arrives, the newer one
-**replaces** the pending one (counted in ``replaced``), so the step never waits for the network,
-memory holds at most two snapshots, and published versions only ever increase. ``flush()``
-(called at fit end) waits for the last publication.
+``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model).
 
-This issue publishes full weights, encoded by :func:`astralight.weights.build_full`: the Hugging
-Face ``state_dict`` (HF names; tied aliases dropped like ``save_pretrained`` does) as bf16
-safetensors -- one ``model.safetensors`` up to 1 GiB, shards beyond (the dataflow caps a file at
-``max_weight_file_bytes``) -- and a manifest with every file's sha256/bytes and every tensor's
-dtype/shape/sha256, which is exactly what the RaaS side (``WeightState``) verifies.
+What the training thread does, and what it does not
+---------------------------------------------------
+The training thread only takes a *snapshot*: a bf16 copy of every floating tensor (half the
+bytes of the fp32 masters; the bf16 cast is exactly what receivers must hold). Everything else
+-- encoding with :class:`astralight.weights.ArtifactBuilder`, uploading the files, publishing
+the manifest -- happens in a *worker*:
 
-Extension point for the bf16-delta path: override :meth:`encode` (``version, tensors ->
-astralight.weights.Artifact``), e.g. with ``astralight.weights.ArtifactBuilder.build`` which picks
-full or delta; :meth:`after_publish` runs in the worker after each successful publication.
-:meth:`snapshot` decides what is copied on the training thread.
+* ``worker="process"`` (default): an encoder process (:mod:`astralight.weights.publish_worker`,
+  started at fit start, JSON lines over pipes, no pickle). The snapshot is copied straight into
+  one of two shared-memory *slots* (anonymous ``memfd`` files the process maps), and a thread of
+  the trainer only hands the slot over and waits for the answer without holding the GIL. Why:
+  encoding and HTTP are partly Python-level work; in a thread of the trainer they share the GIL
+  with the training loop, which cost the toy step ~5-7 % on 2 cores against ~2-3.5 % this way
+  (``tests/benchmarks/bench_publish_overhead.py``). The process is stopped at fit end, and a
+  process that dies is replaced (its successor starts with a full version).
+* ``worker="thread"``: the same work in a thread of the trainer (what tests with an in-process
+  fake :attr:`client` use).
+
+The hand-off is a bounded slot of size one: if the worker is still busy with an older version
+when a newer snapshot arrives, the newer one **replaces** the pending one (counted in
+``replaced``), so the step never waits for encoding or the network, memory holds at most two
+snapshots plus the worker's copy of the last published state, and published versions only ever
+increase. The worker runs at a lower CPU priority (``worker_nice``), so on a saturated CPU
+publication is delayed rather than the step slowed.
+
+Full or delta
+-------------
+A version is a **delta** (``delta.bin``: changed bf16 bit patterns, gap-encoded indices, zstd)
+onto the *last published* version, except that it is **full** (bf16 safetensors) on the first
+publication of this callback's life (so also the first one after a resume: the in-memory base is
+not checkpointed), every ``full_every`` versions (counted in version numbers since the last full
+one; 0 = never again), when tensor names or shapes change, and after any failed publication.
+
+* *Why the last published, not the last snapshot:* a receiver applies a delta only onto exactly
+  ``base_version``; only published versions exist for it. The builder advances its base only
+  when it builds, and a build whose upload or publish then fails forces the next version to be
+  full (the builder's base is no longer a published version). A new encoder process (each fit,
+  or after one died) has no base, so its first version is full too.
+* *When the writer falls behind* the replaced snapshots are simply never built; the next
+  publication is a delta from the last published version to the newest snapshot. That is
+  correct (its ``base_version`` is a version every up-to-date receiver holds) and the simplest:
+  no special case, and it keeps the cheap path exactly when the writer is the bottleneck (a full
+  is ~1.5-3x the bytes of a delta at the toy recipe's lr 5e-4 and ~30-60x at RL-typical 98-99%
+  sparsity,
+  so it would fall further behind). It spans several optimizer steps, so it is less sparse
+  than a one-step delta.
+
+Each manifest is sent to the dataflow after its files (``upload_weight_file`` then
+``publish``); the dataflow re-checks every file's sha256 and keeps the chain (see its GC).
+
+Metrics
+-------
+Per published version, logged to every Lightning logger at the step the snapshot was taken
+(so TensorBoard plots them against the training step even though they complete later):
+``publish/sparsity`` (fraction of bit-identical bf16 elements vs the previous published version;
+on full versions too, when a previous one is held), ``publish/delta_bytes`` (deltas only),
+``publish/full_bytes`` (bf16 bytes of the published tensors: what a full sync moves, without the
+few-KiB safetensors header), ``publish/bytes`` (uploaded), ``publish/compression_ratio``
+(``full_bytes / bytes``; ~1 on full versions), ``publish/latency_s`` (snapshot taken ->
+manifest accepted by the dataflow, queueing included), ``publish/encode_s``,
+``publish/upload_s``, ``publish/snapshot_s`` (training-thread time) and ``publish/kind``
+(1 = full, 0 = delta), with the running counters ``publish/published_version``,
+``publish/replaced``, ``publish/skipped`` and ``publish/errors`` (a failed publication logs the
+counters alone). They are written by the training thread at the next step end (and at fit end)
+straight to ``trainer.loggers``, not through ``LightningModule.log_dict``, so the callback adds
+nothing to the per-step logging. :attr:`history` keeps the records.
+
+Checkpoint / resume
+-------------------
+``state_dict`` holds the last published version and enqueued step; the builder's base (one bf16
+copy of the model) is deliberately not checkpointed, so the first publication after a resume is
+full. If the dataflow already holds a version at or above the one this trainer would publish next
+(a trainer that published beyond its last checkpoint, then crashed), the versions up to the
+dataflow's are skipped (counted in ``skipped``, warned once) instead of being refused one by one.
+
+Distributed
+-----------
+Only global rank 0 encodes and publishes. Under DDP (and DeepSpeed ZeRO 1/2) rank 0's module holds
+the full weights, other ranks do nothing. Under FSDP (``FSDPStrategy``, FSDP1) and
+``ModelParallelStrategy`` (FSDP2 / DTensor) every rank joins the collective
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
+cpu_offload=True)`` on the strategy's root module at each publication step, and rank 0 gets the
+whole state on CPU; names are taken relative to the HF module (FSDP wrapper prefixes are removed
+by DCP). DeepSpeed ZeRO-3 is refused at setup (its partitions are not gathered here).
+
+LoRA (peft)
+-----------
+If the HF module is a ``peft.PeftModel``, only the adapter tensors are published, named exactly as
+``PeftModel.save_pretrained`` writes them (``peft.get_peft_model_state_dict``, e.g.
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), with
+``metadata["adapter"] = {"type": "lora", "adapter_name", "peft_config"}`` in every manifest.
+The base weights never change, so receivers keep the base model from its folder (version 0).
+**What a RaaS does with them today:** nothing useful -- serving adapters in vLLM is a later
+issue. Its weight sync downloads and verifies the version (checksums pass), then
+``engine.update_weights`` refuses the adapter names, which are not parameters of the base model
+(checked: vLLM's loader raises ``ValueError: There is no module or parameter named 'base_model'
+in Qwen3ForCausalLM``; the HF engine raises ``KeyError: unknown tensors``); the engine keeps its
+weights and version. So do not point a RaaS at a LoRA policy yet.
+
+Extension points: :meth:`publish_state` (which tensors, under which names, on the training
+thread); with ``worker="thread"`` also :meth:`encode` (``version, tensors -> Artifact``) and
+:meth:`after_publish`. Tests may set :attr:`client` to any object with ``upload_weight_file``,
+``publish`` and ``current_version`` (with ``worker="thread"``; the process worker has its own
+``DataflowClient``, the parent uses :attr:`client` only to read the current version).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor
+
+from astralight.weights import ArtifactBuilder
+from astralight.weights.publish_worker import (
+    PublishBuilder,
+    artifact_record,
+    layout_of,
+    map_slot,
+    new_slot_fd,
+    slot_views,
+)
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FILE = "model.safetensors"
+#: per-version metrics written to the loggers (as ``publish/<key>``) when present in a record
+METRIC_KEYS = ("kind", "sparsity", "delta_bytes", "full_bytes", "bytes", "compression_ratio",
+               "latency_s", "encode_s", "upload_s", "snapshot_s", "published_version", "replaced",
+               "skipped", "errors")
+HISTORY = 10_000
 
 
 def tensor_sha256(t: Tensor) -> str:
@@ -54,8 +163,109 @@ def tensor_sha256(t: Tensor) -> str:
 class _Job:
     version: int
     step: int
-    tensors: dict[str, Tensor]
-    created: float
+    created: float  # wall clock, recorded in the manifest
+    t_snap: float  # perf_counter when the snapshot was complete
+    snapshot_s: float
+    tensors: dict[str, Tensor] | None = None  # thread worker: the bf16 copies
+    slot: int | None = None  # process worker: the shared slot holding the snapshot
+    metadata: dict | None = None  # merged into the manifest's metadata
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft not installed: cannot be a PeftModel
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside FSDP1 / activation-checkpoint wrappers (FSDP2 does not wrap)."""
+    for attr in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
+        while hasattr(model, attr):
+            model = getattr(model, attr)
+    return model
+
+
+def _clean_fqn(name: str) -> str:
+    for marker in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(marker, "")
+    return name
+
+
+def _jsonable(obj: Any) -> Any:
+    """A peft config as plain JSON data (sets become sorted lists, enums and others strings)."""
+    return json.loads(json.dumps(obj, default=lambda o: sorted(o) if isinstance(o, (set, frozenset))
+                                 else getattr(o, "value", str(o))))
+
+
+def is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """True when no single rank holds the whole model (FSDP1, FSDP2/DTensor)."""
+    name = type(trainer.strategy).__name__
+    if "FSDP" in name or "ModelParallel" in name:
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return any(isinstance(p, DTensor) for p in pl_module.parameters())
+
+
+def gather_full_state_dict(root: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
+    """Collective: the full (unsharded) state dict of ``root`` on rank 0's CPU, names under
+    ``prefix`` with the prefix removed. Every rank must call it; ranks > 0 get ``{}``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if not prefix:
+        return dict(state)
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+class _Encoder:
+    """The encoder process (:mod:`astralight.weights.publish_worker`): JSON lines over pipes."""
+
+    def __init__(self, args: list[str], slot_fds: list[int], token: str | None):
+        env = dict(os.environ)
+        # the child imports astralight the way this process does (installed or from a checkout)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p]
+                                            + [env.get("PYTHONPATH", "")]).strip(os.pathsep)
+        if token:
+            env["ASTRALIGHT_TOKEN"] = token
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "astralight.weights.publish_worker", *args,
+             "--slot-fds", *[str(fd) for fd in slot_fds]],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+            pass_fds=slot_fds)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> dict:
+        line = self.proc.stdout.readline()  # blocks without the GIL
+        if not line:
+            raise RuntimeError(f"the encoder process exited (rc={self.proc.wait()}); see its "
+                               "stderr in this log")
+        return json.loads(line)
+
+    def close(self, timeout: float) -> None:
+        if self.alive():
+            try:
+                self.send({"op": "stop"})
+                self.proc.wait(timeout=timeout)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 class WeightPublisher(pl.Callback):
@@ -65,11 +275,24 @@ class WeightPublisher(pl.Callback):
         dataflow_url: the dataflow service (default: the datamodule's ``dataflow_url``).
         model_id: the policy (default: the module's ``model_id``, else the datamodule's).
         every_n_steps: optimizer steps per published version.
+        full_every: a full version every this many versions (and on the first publication);
+            deltas onto the last published version in between; 0 = only the first is full.
+        worker: ``"process"`` (default): encode, upload and publish in a child process
+            (:mod:`astralight.weights.publish_worker`) fed through two shared-memory snapshot
+            slots, so the training loop never shares the GIL with that work; ``"thread"``: do it
+            in a thread of this process (needed when a test assigns :attr:`client`; otherwise
+            only worth it where starting a process is not possible).
+        zstd_level: compression level of deltas (default: the codec's measured default).
+        encode_threads: tensors encoded concurrently by the worker (0: one at a time, leaving
+            the cores to training).
+        worker_nice: niceness added to the worker (the process, or the thread on Linux and the
+            threads it starts). The default 19 makes publication use idle CPU: on a saturated
+            CPU it is delayed (and the falls-behind path replaces snapshots) instead of slowing
+            the step; 0 shares the CPU equally.
         token: bearer token (default: env ``ASTRALIGHT_TOKEN``, read by the client).
         flush_timeout_s: how long ``fit`` end waits for the last publication.
 
-    Runs on global rank 0 only (under FSDP every rank joins the full-state gather). Tests may set
-    :attr:`client` to any object with ``upload_weight_file`` and ``publish``.
+    Runs on global rank 0 only (under FSDP every rank joins the full-state gather).
     """
 
     def __init__(
@@ -77,28 +300,59 @@ class WeightPublisher(pl.Callback):
         dataflow_url: str | None = None,
         model_id: str | None = None,
         every_n_steps: int = 1,
+        full_every: int = 10,
+        worker: str = "process",
+        zstd_level: int | None = None,
+        encode_threads: int = 0,
+        worker_nice: int = 19,
         token: str | None = None,
         flush_timeout_s: float = 600.0,
     ):
         super().__init__()
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
+        if full_every < 0:
+            raise ValueError(f"full_every: must be >= 0 (0: only the first version is full), "
+                             f"got {full_every}")
+        if worker not in ("process", "thread"):
+            raise ValueError(f"worker: must be 'process' or 'thread', got {worker!r}")
+        if encode_threads < 0:
+            raise ValueError(f"encode_threads: must be >= 0, got {encode_threads}")
         self.dataflow_url = dataflow_url
         self.model_id = model_id
         self.every_n_steps = every_n_steps
+        self.full_every = full_every
+        self.worker = worker
+        self.zstd_level = zstd_level
+        self.encode_threads = encode_threads
+        self.worker_nice = worker_nice
         self.token = token
         self.flush_timeout_s = flush_timeout_s
         self._client = None
+        self._builder: ArtifactBuilder | None = None  # thread worker
+        self._force_full = False
+        self._adapter_meta: dict | None = None
         self._cv = threading.Condition()
         self._pending: _Job | None = None
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        # process worker: the encoder, the snapshot slots and their layout
+        self._encoder: _Encoder | None = None
+        self._slot_fds: list[int] = []
+        self._slots: list[dict[str, Tensor]] = []  # per slot: bf16 torch views by name
+        self._layout: list[list] = []
+        self._layout_key: tuple | None = None
+        self._inflight_slot: int | None = None
         self._last_enqueued_step = -1
+        self._skip_through = -1  # versions <= this are already held by the dataflow
+        self._unlogged: list[dict] = []
         # counters (written by the worker under the lock, read anywhere)
         self.last_published_version = 0
         self.published_versions: list[int] = []
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.replaced = 0
+        self.skipped = 0
         self.errors = 0
         self.last_error: str | None = None
         self.last_latency_s = 0.0
@@ -132,29 +386,44 @@ class WeightPublisher(pl.Callback):
         model = getattr(pl_module, "model", None)
         return model if isinstance(model, torch.nn.Module) else pl_module
 
-    def snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor] | None:
-        """bf16 CPU copies of the HF state_dict's floating tensors on the training thread.
+    def _module_prefix(self, pl_module: pl.LightningModule, model: torch.nn.Module) -> str:
+        if model is pl_module:
+            return ""
+        for name, module in pl_module.named_modules():
+            if module is model or _unwrap(module) is _unwrap(model):
+                return _clean_fqn(name + ".")
+        raise ValueError("hf_model(): the module is not a submodule of the LightningModule, so "
+                         "its sharded state cannot be gathered; override hf_model()")
 
-        Returns None on ranks other than 0.
+    def publish_state(self, trainer: pl.Trainer,
+                      pl_module: pl.LightningModule) -> dict[str, Tensor] | None:
+        """The tensors to publish (no copies), on the training thread; None on ranks > 0.
 
-        Tied aliases (the same storage under a second name, e.g. ``lm_head.weight`` tied to the
-        embeddings) are dropped after the first name, as ``save_pretrained`` does.
+        Sharded strategies gather the full state first (a collective every rank joins). Tied
+        aliases (the same storage under a second name, e.g. ``lm_head.weight`` tied to the
+        embeddings) are dropped after the first name, as ``save_pretrained`` does; integer
+        buffers are not weights and are never published. A peft model contributes only its
+        adapter tensors, named as its ``save_pretrained`` does.
         """
         model = self.hf_model(pl_module)
-        if "FSDP" in type(trainer.strategy).__name__:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            state = get_model_state_dict(
-                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        inner = _unwrap(model)
+        if is_sharded(trainer, pl_module):
+            root = getattr(trainer.strategy, "model", None) or pl_module
+            state = gather_full_state_dict(root, self._module_prefix(pl_module, model))
             if not trainer.is_global_zero:
                 return None
         else:
             if not trainer.is_global_zero:
                 return None
-            state = model.state_dict()
+            state = inner.state_dict()
+        if _is_peft(inner):
+            from peft import get_peft_model_state_dict
+
+            adapter = inner.active_adapter
+            state = get_peft_model_state_dict(inner, state_dict=state, adapter_name=adapter)
+            if self._adapter_meta is None:
+                self._adapter_meta = {"type": "lora", "adapter_name": adapter,
+                                      "peft_config": _jsonable(inner.peft_config[adapter].to_dict())}
         out: dict[str, Tensor] = {}
         seen: set[tuple[int, int, tuple]] = set()
         for name, t in state.items():
@@ -164,18 +433,128 @@ class WeightPublisher(pl.Callback):
             if t.device.type != "meta" and alias in seen:
                 continue
             seen.add(alias)
-            if t.is_floating_point():  # integer buffers are not weights: never published
-                out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True)
+            if t.is_floating_point():
+                out[name] = t.detach()
         return out
 
+    def snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor] | None:
+        """bf16 CPU copies of :meth:`publish_state` (what the thread worker encodes)."""
+        state = self.publish_state(trainer, pl_module)
+        if state is None:
+            return None
+        return {n: t.to(device="cpu", dtype=torch.bfloat16, copy=True) for n, t in state.items()}
+
+    def make_builder(self) -> ArtifactBuilder:
+        kw = {} if self.zstd_level is None else {"level": self.zstd_level}
+        return PublishBuilder(self.model_id, full_every=self.full_every,
+                              threads=self.encode_threads, **kw)
+
     def encode(self, version: int, tensors: dict[str, Tensor]):
-        """Full weights as an ``astralight.weights.Artifact`` (override for the delta path)."""
-        from astralight.weights import build_full
+        """(thread worker) Version ``version`` as an ``astralight.weights.Artifact``: full or
+        delta onto the last published version (see the module docstring for when it is full)."""
+        if self._builder is None:
+            self._builder = self.make_builder()
+        full = True if self._force_full else None
+        return self._builder.build(version, tensors, full=full)
 
-        return build_full(self.model_id, version, tensors)
+    def after_publish(self, version: int, tensors: dict[str, Tensor] | None, artifact: Any) -> None:
+        """(thread worker) Called after ``version`` is published (default: nothing)."""
 
-    def after_publish(self, version: int, tensors: dict[str, Tensor], artifact: Any) -> None:
-        """Called in the worker after ``version`` is published (default: nothing)."""
+    # ---------------------------------------------------------------- snapshot hand-off
+
+    def _take_snapshot(self, trainer, pl_module, version: int, step: int) -> None:
+        t = time.perf_counter()
+        if self.worker == "thread":
+            tensors = self.snapshot(trainer, pl_module)
+            if tensors is not None:
+                now = time.perf_counter()
+                self._enqueue(_Job(version, step, time.time(), now, now - t, tensors=tensors,
+                                   metadata=self._job_metadata()))
+            return
+        state = self.publish_state(trainer, pl_module)
+        if state is None:
+            return
+        key = tuple((n, tuple(x.shape)) for n, x in state.items())
+        if key != self._layout_key:
+            self._new_layout(key)
+        with self._cv:  # a free slot: the pending one (replaced) or the one not in flight
+            if self._pending is not None:
+                slot = self._pending.slot
+                self._pending = None
+                self.replaced += 1
+            else:
+                slot = 0 if self._inflight_slot != 0 else 1
+        views = self._slots[slot]
+        for name, x in state.items():
+            views[name].copy_(x)  # fp32 -> bf16 round-to-nearest-even, as .to(torch.bfloat16)
+        now = time.perf_counter()
+        self._enqueue(_Job(version, step, time.time(), now, now - t, slot=slot,
+                           metadata=self._job_metadata()))
+
+    def _job_metadata(self) -> dict | None:
+        return {"adapter": self._adapter_meta} if self._adapter_meta is not None else None
+
+    def _new_layout(self, key: tuple) -> None:
+        """(Re)create the two snapshot slots for these names/shapes; the encoder restarts
+        (rare: the first snapshot, or a model whose tensors changed), waiting for it first."""
+        if self._layout_key is not None:
+            self.flush(self.flush_timeout_s)
+        with self._cv:
+            self._close_encoder()
+            self._close_slots()
+            self._layout, elements = layout_of(dict(key))
+            self._slot_fds = [new_slot_fd(elements) for _ in range(2)]
+            self._slots = []
+            for fd in self._slot_fds:
+                bits = map_slot(fd, elements, writable=True)
+                self._slots.append({n: torch.from_numpy(v).view(torch.bfloat16)
+                                    for n, v in slot_views(bits, self._layout).items()})
+            self._layout_key = key
+
+    def _prestart(self, trainer, pl_module) -> None:
+        """Lay out the slots and start the encoder now, so its start-up (imports, ~1-2 s of
+        its own CPU) overlaps the first steps instead of delaying the first publications.
+        (Sharded models skip this: their layout needs the collective gather.)"""
+        try:
+            state = self.publish_state(trainer, pl_module)
+            if state is None:
+                return
+            self._new_layout(tuple((n, tuple(x.shape)) for n, x in state.items()))
+            with self._cv:
+                self._ensure_encoder()
+        except Exception as exc:  # the first publication retries (and reports) it
+            log.warning("could not start the weight encoder process early: %s", exc)
+
+    def _close_slots(self) -> None:
+        for fd in self._slot_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._slot_fds, self._slots, self._layout_key = [], [], None
+
+    def _close_encoder(self, timeout: float = 30.0) -> None:
+        if self._encoder is not None:
+            self._encoder.close(timeout)
+            self._encoder = None
+
+    def _ensure_encoder(self) -> _Encoder:
+        if self._encoder is not None and not self._encoder.alive():
+            self._close_encoder(0)
+        if self._encoder is None:
+            if not self.dataflow_url:
+                raise ValueError("dataflow_url: not set and the datamodule has none; set "
+                                 "callbacks[WeightPublisher].init_args.dataflow_url")
+            args = ["--url", self.dataflow_url, "--model-id", self.model_id,
+                    "--full-every", str(self.full_every), "--threads", str(self.encode_threads),
+                    "--nice", str(self.worker_nice)]
+            if self.zstd_level is not None:
+                args += ["--level", str(self.zstd_level)]
+            encoder = _Encoder(args, self._slot_fds, self.token)
+            elements = sum(int(np.prod(shape, dtype=np.int64)) for _, _, shape in self._layout)
+            encoder.send({"op": "layout", "elements": elements, "tensors": self._layout})
+            self._encoder = encoder
+        return self._encoder
 
     # ---------------------------------------------------------------- worker
 
@@ -195,6 +574,12 @@ class WeightPublisher(pl.Callback):
             self._cv.notify_all()
 
     def _run(self) -> None:
+        if self.worker == "thread" and self.worker_nice:
+            try:  # Linux: niceness is per thread and inherited by threads this one starts
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                               min(19, os.getpriority(os.PRIO_PROCESS, 0) + self.worker_nice))
+            except (AttributeError, OSError) as exc:  # other platforms, or not permitted
+                log.debug("could not lower the publisher thread's priority: %s", exc)
         while True:
             with self._cv:
                 while self._pending is None and not self._stop:
@@ -203,36 +588,89 @@ class WeightPublisher(pl.Callback):
                     return
                 job, self._pending = self._pending, None
                 self._busy = True
+                self._inflight_slot = job.slot
             try:
-                self._publish(job)
+                if self.worker == "thread":
+                    self._publish(job)
+                else:
+                    self._publish_via_encoder(job)
             except Exception as exc:  # a failed publication must not kill later ones
-                log.exception("publishing version %d of %r failed", job.version, self.model_id)
-                with self._cv:
-                    self.errors += 1
-                    self.last_error = f"version {job.version}: {type(exc).__name__}: {exc}"
+                log.exception("publishing version %d of %r failed; the next version will be full",
+                              job.version, self.model_id)
+                self._failed(job, f"{type(exc).__name__}: {exc}")
             finally:
                 with self._cv:
                     self._busy = False
+                    self._inflight_slot = None
                     self._cv.notify_all()
 
+    def _failed(self, job: _Job, error: str) -> None:
+        with self._cv:
+            self._force_full = True  # the builder's base may not be a published version
+            self.errors += 1
+            self.last_error = f"version {job.version}: {error}"
+            self._unlogged.append({"step": job.step, **self._counters()})
+
     def _publish(self, job: _Job) -> None:
+        """Thread worker: encode, upload, publish here."""
         t0 = time.perf_counter()
         artifact = self.encode(job.version, job.tensors)
         manifest = artifact.manifest
         if manifest.version != job.version or manifest.model_id != self.model_id:
             raise ValueError(f"encode() built {manifest.model_id!r} v{manifest.version}, "
                              f"expected {self.model_id!r} v{job.version}")
+        t1 = time.perf_counter()
         for name, data in artifact.files.items():
             self.client.upload_weight_file(self.model_id, job.version, name, data)
         manifest.created = job.created
-        manifest.metadata = {**manifest.metadata, "step": job.step}
+        manifest.metadata = {**manifest.metadata, "step": job.step, **(job.metadata or {})}
         self.client.publish(manifest)
+        t2 = time.perf_counter()
         self.after_publish(job.version, job.tensors, artifact)
+        self._published(job, {**artifact_record(artifact), "encode_s": t1 - t0,
+                              "upload_s": t2 - t1})
+
+    def _publish_via_encoder(self, job: _Job) -> None:
+        """Process worker: hand the slot to the encoder process and wait for its answer."""
         with self._cv:
+            full = self._force_full
+        try:
+            encoder = self._ensure_encoder()
+            encoder.send({"op": "job", "version": job.version, "step": job.step,
+                          "slot": job.slot, "created": job.created, "full": full,
+                          "metadata": {"step": job.step, **(job.metadata or {})}})
+            answer = encoder.recv()
+        except Exception:
+            self._close_encoder(0)  # a new process starts from a full version
+            raise
+        if answer.get("version") != job.version:
+            self._close_encoder(0)
+            raise RuntimeError(f"the encoder answered for version {answer.get('version')}, "
+                               f"expected {job.version}")
+        if not answer.get("ok"):
+            log.error("publishing version %d of %r failed in the encoder: %s; the next version "
+                      "will be full", job.version, self.model_id, answer.get("error"))
+            self._failed(job, str(answer.get("error")))
+            return
+        self._published(job, answer["record"])
+
+    def _published(self, job: _Job, record: dict) -> None:
+        record = {"version": job.version, "step": job.step, "snapshot_s": job.snapshot_s,
+                  **record, "latency_s": time.perf_counter() - job.t_snap}
+        with self._cv:
+            self._force_full = False
             self.last_published_version = job.version
             self.published_versions.append(job.version)
-            self.last_latency_s = time.perf_counter() - t0
-            self.last_bytes = sum(len(d) for d in artifact.files.values())
+            self.last_latency_s = record["latency_s"]
+            self.last_bytes = record["bytes"]
+            record.update(self._counters())
+            self.history.append(record)
+            self._unlogged.append(record)
+
+    def _counters(self) -> dict:
+        """Running totals logged with every record (call with the lock held)."""
+        return {"published_version": self.last_published_version, "replaced": self.replaced,
+                "skipped": self.skipped, "errors": self.errors}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is pending or in flight; False if ``timeout`` passed first."""
@@ -250,9 +688,26 @@ class WeightPublisher(pl.Callback):
             if not wait:
                 self._pending = None
             self._cv.notify_all()
+        if not wait:
+            self._close_encoder(0)  # unblocks a worker waiting for an answer
         if self._thread is not None:
             self._thread.join(timeout=self.flush_timeout_s if wait else 5.0)
         self._thread = None
+        self._close_encoder()
+        self._close_slots()
+
+    def log_published(self, trainer: pl.Trainer) -> int:
+        """Write the per-version metrics of versions published since the last call to every
+        logger, at the step each snapshot was taken; returns how many versions were written."""
+        with self._cv:
+            records, self._unlogged = self._unlogged, []
+        if not records or not trainer.is_global_zero:
+            return 0
+        for rec in records:
+            metrics = {f"publish/{k}": float(rec[k]) for k in METRIC_KEYS if k in rec}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=rec["step"])
+        return len(records)
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -264,47 +719,53 @@ class WeightPublisher(pl.Callback):
             self.model_id = getattr(pl_module, "model_id", None) or getattr(dm, "model_id", None)
         if self.model_id is None:
             raise ValueError("model_id: not set and neither the module nor the datamodule has one")
+        if getattr(trainer.strategy, "zero_stage_3", False):
+            raise ValueError("trainer.strategy: WeightPublisher does not gather DeepSpeed ZeRO-3 "
+                             "partitions; use FSDPStrategy or ModelParallelStrategy (or ZeRO 1/2)")
+        if self.worker == "process" and not self.dataflow_url:
+            raise ValueError("dataflow_url: not set and the datamodule has none; set "
+                             "callbacks[WeightPublisher].init_args.dataflow_url")
         if trainer.is_global_zero:
             self._start_worker()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
         expected = trainer.global_step // self.every_n_steps
-        try:
-            current = self.client.current_version(self.model_id)
-        except Exception as exc:  # the service may be starting; publication will retry anyway
-            log.warning("could not read the current version of %r: %s", self.model_id, exc)
-            return
+        current = -1
+        if trainer.is_global_zero:
+            try:
+                current = int(self.client.current_version(self.model_id))
+            except Exception as exc:  # the service may be starting; publication retries anyway
+                log.warning("could not read the current version of %r: %s", self.model_id, exc)
+        if self.worker == "process" and trainer.is_global_zero and not is_sharded(trainer, pl_module):
+            self._prestart(trainer, pl_module)
+        # every rank must take the same skip decisions: under FSDP the snapshot is a collective
+        current = trainer.strategy.broadcast(current, src=0)
         if current > expected:
-            log.warning(
-                "the dataflow already holds version %d of %r but this trainer starts at version "
-                "%d (step %d): resume from the checkpoint that published it, or new versions "
-                "will not supersede it", current, self.model_id, expected, trainer.global_step)
+            self._skip_through = current
+            if trainer.is_global_zero:
+                log.warning(
+                    "the dataflow already holds version %d of %r but this trainer is at version "
+                    "%d (step %d), e.g. resumed from an older checkpoint: versions up to %d are "
+                    "not published again; the next publication is version %d (full)", current,
+                    self.model_id, expected, trainer.global_step, current, current + 1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step > self._last_enqueued_step and step > 0 and step % self.every_n_steps == 0:
             self._last_enqueued_step = step
-            tensors = self.snapshot(trainer, pl_module)
-            if tensors is not None:
-                self._enqueue(_Job(step // self.every_n_steps, step, tensors, time.time()))
-        if trainer.is_global_zero:
-            with self._cv:
-                stats = {
-                    "publish/version": float(self.last_published_version),
-                    "publish/latency_s": float(self.last_latency_s),
-                    "publish/bytes": float(self.last_bytes),
-                    "publish/replaced": float(self.replaced),
-                    "publish/errors": float(self.errors),
-                }
-            pl_module.log_dict(stats, on_step=True, on_epoch=False, rank_zero_only=True,
-                               batch_size=1)
+            version = step // self.every_n_steps
+            if version <= self._skip_through:
+                self.skipped += 1
+            else:
+                self._take_snapshot(trainer, pl_module, version, step)
+        if trainer.is_global_zero and self._unlogged:
+            self.log_published(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._thread is not None:
             self._shutdown(wait=True)
+        self.log_published(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
@@ -323,8 +784,13 @@ class WeightPublisher(pl.Callback):
                 "last_enqueued_step": self._last_enqueued_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore counters; the delta base is not in the checkpoint, so the next version is full."""
         self.last_published_version = int(state_dict.get("last_published_version", 0))
         self._last_enqueued_step = int(state_dict.get("last_enqueued_step", -1))
+        with self._cv:
+            self._builder = None
+            self._force_full = True  # (a new encoder process would start from a full anyway)
 
 
-__all__ = ["WeightPublisher", "tensor_sha256", "WEIGHT_FILE"]
+__all__ = ["WeightPublisher", "tensor_sha256", "WEIGHT_FILE", "METRIC_KEYS",
+           "gather_full_state_dict", "is_sharded"]

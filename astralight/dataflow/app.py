@@ -141,6 +141,8 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
             await asyncio.sleep(sweep_every)
             try:
                 wake.notify(await run_in_threadpool(core.requeue_expired_batches))
+                if core.gc_due():  # a full version's weights_keep_s grace period ended
+                    await run_in_threadpool(core.gc_weights)
             except Exception:  # keep sweeping; the error is in the log
                 log.exception("sweep failed")
 

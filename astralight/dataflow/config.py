@@ -63,6 +63,13 @@ class DataflowConfig:
         max_samples_per_rollout: a push holds at most n * len(model_ids) * this many samples.
         max_pull_timeout_s: upper bound on one long-poll pull.
         log_level: Python logging level of the service.
+        weights_gc: garbage-collect old weight versions. Per model_id the store keeps the latest
+            full version and every delta after it (all a newcomer needs), plus, for
+            ``weights_keep_s`` seconds after a newer full version is published, the previous
+            chain (a RaaS may be mid-way through downloading it). Older version folders and their
+            manifests are removed, as are uploads of versions that can no longer be published.
+        weights_keep_s: the grace period above, in seconds (0: collect as soon as a newer full
+            version exists).
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +92,8 @@ class DataflowConfig:
     max_samples_per_rollout: int = 32  # multi-turn rollouts emit one sample per turn
     max_pull_timeout_s: float = 300.0
     log_level: str = "INFO"
+    weights_gc: bool = True
+    weights_keep_s: float = 300.0
 
     def __post_init__(self) -> None:
         if isinstance(self.eval, dict):  # programmatic use: DataflowConfig(eval={...})
@@ -111,6 +120,8 @@ class DataflowConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        if not self.weights_keep_s >= 0:
+            raise ValueError(f"weights_keep_s: must be >= 0 seconds, got {self.weights_keep_s}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
         for name, spec in (("source", self.source), ("eval.source", self.eval.source)):

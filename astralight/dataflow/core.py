@@ -37,7 +37,8 @@ MAX_LEASE_TASKS = 4096
 COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_reissued",
             "samples_accepted", "duplicates_ignored", "stale_dropped", "samples_served",
             "batches_served", "samples_acked", "batches_acked", "batches_requeued",
-            "samples_requeued", "eval_samples_accepted", "eval_samples_ignored")
+            "samples_requeued", "eval_samples_accepted", "eval_samples_ignored",
+            "weight_versions_removed")
 
 
 class Dataflow:
@@ -68,6 +69,13 @@ class Dataflow:
         self.queues = {m: FreshQueue(config.queue_order, config.max_staleness) for m in self.model_ids}
         self._rebuild_queues()
         self.open_train = self.store.count_open_tasks("train")
+        # (version, kind, published_at) of every stored version: what weight GC decides on
+        self.weight_index: dict[str, list[tuple[int, str, float]]] = {
+            m: [(r["version"], decode(bytes(r["manifest"])).kind, r["published_at"])
+                for r in self.store.version_rows(m)] for m in self.model_ids}
+        self._gc_next = 0.0
+        self.weights.purge_trash()
+        self.gc_weights()
         with self.store.tx():
             for m in self.model_ids:  # version 0 at a fresh start; any version a crash left unscheduled
                 self._maybe_schedule_eval(m, self.versions[m], time.time())
@@ -422,6 +430,12 @@ class Dataflow:
                 raise ServiceError(422, "manifest.base_version",
                                    f"base version {manifest.base_version} is not published "
                                    f"(current {current})")
+            stored = {v for v, _, _ in self.weight_index[mid]}
+            if manifest.kind == "delta" and manifest.base_version > 0 and \
+                    manifest.base_version not in stored:
+                raise ServiceError(422, "manifest.base_version",
+                                   f"base version {manifest.base_version} is not stored (never "
+                                   "published, or garbage-collected); publish a full version")
             if not manifest.files:
                 raise ServiceError(422, "manifest.files", "must list at least one file")
             for name, info in manifest.files.items():
@@ -442,18 +456,99 @@ class Dataflow:
                 self.store.insert_version(mid, manifest.version, encode(manifest), now)
                 n_evals = self._maybe_schedule_eval(mid, manifest.version, now)
             self.versions[mid] = manifest.version
+            self.weight_index[mid].append((manifest.version, manifest.kind, now))
             dropped = self.queues[mid].drop_stale(manifest.version)
             if dropped:
                 with self.store.tx():
                     self._record_stale(mid, dropped)
             log.info("published %s version %d (%s, %d files)", mid, manifest.version, manifest.kind,
                      len(manifest.files))
-            return {"model_id": mid, "version": manifest.version, "evals_scheduled": n_evals}
+            try:
+                trash = self._collect_weights(now)
+            except Exception:  # the version is published; GC retries at the next publication
+                log.exception("weight GC failed")
+                trash = []
+        self.weights.purge(trash)  # outside the lock: deleting big files takes a while
+        return {"model_id": mid, "version": manifest.version, "evals_scheduled": n_evals}
+
+    # ------------------------------------------------------------------ weight GC
+
+    def _keep_from(self, model_id: str, now: float) -> int | None:
+        """Oldest version to keep: the newest full version published at least weights_keep_s
+        ago. Every sync that started within the grace period planned a chain at or above it (the
+        latest full version at that time, or a delta chain onto a version it held above it)."""
+        cutoff = now - self.config.weights_keep_s
+        fulls = [v for v, kind, t in self.weight_index[model_id] if kind == "full" and t <= cutoff]
+        return max(fulls) if fulls else None
+
+    def _collect_weights(self, now: float) -> list[Path]:
+        """Under the lock: forget old versions (one transaction), detach their folders and
+        those of uploads that can no longer be published; return the folders to purge."""
+        if not self.config.weights_gc:
+            return []
+        trash: list[Path] = []
+        for mid in self.model_ids:
+            index = self.weight_index[mid]
+            keep_from = self._keep_from(mid, now)
+            old = [v for v, _, _ in index if keep_from is not None and v < keep_from]
+            if old:
+                with self.store.tx():
+                    self.store.delete_versions(mid, old)
+                    self.store.bump(mid, "weight_versions_removed", len(old))
+                self.weight_index[mid] = [e for e in index if e[0] >= keep_from]
+                log.info("weight GC: removed %s versions %d..%d (keeping %d.. since a full version)",
+                         mid, old[0], old[-1], keep_from)
+            listed = {v for v, _, _ in self.weight_index[mid]}
+            # a folder of an unpublished version <= current can never be published (409)
+            orphans = [v for v in self.weights.stored_versions(mid)
+                       if v not in listed and v <= self.versions[mid]]
+            for v in old + orphans:
+                path = self.weights.detach(mid, v)
+                if path is not None:
+                    trash.append(path)
+        self._gc_next = self._next_collection(now)
+        return trash
+
+    def _next_collection(self, now: float) -> float:
+        """When a full version's grace period ends with older versions still stored."""
+        due = float("inf")
+        for index in self.weight_index.values():
+            if not index:
+                continue
+            oldest = index[0][0]
+            for v, kind, t in index:
+                if kind == "full" and v > oldest and t + self.config.weights_keep_s > now:
+                    due = min(due, t + self.config.weights_keep_s)
+        return due
+
+    def gc_due(self, now: float | None = None) -> bool:
+        """Cheap check for the service's sweeper: would :meth:`gc_weights` remove something?"""
+        return self.config.weights_gc and (time.time() if now is None else now) >= self._gc_next
+
+    def gc_weights(self, now: float | None = None) -> dict[str, list[int]]:
+        """Collect old weight versions now (see ``DataflowConfig.weights_gc``); returns the
+        removed published versions per model_id."""
+        now = time.time() if now is None else now
+        with self.lock:
+            before = {m: [e[0] for e in self.weight_index[m]] for m in self.model_ids}
+            trash = self._collect_weights(now)
+            after = {m: {e[0] for e in self.weight_index[m]} for m in self.model_ids}
+        self.weights.purge(trash)
+        return {m: [v for v in before[m] if v not in after[m]] for m in self.model_ids}
 
     def manifest(self, model_id: str, version: int | None = None) -> WeightManifest | None:
+        """The manifest of ``version`` (default: the latest); None if never published; 404
+        naming the kept chain if it was garbage-collected."""
         self._model(model_id)
         with self.lock:
             blob = self.store.manifest_blob(model_id, version)
+            index = self.weight_index[model_id]
+            if blob is None and version is not None and index and version < index[0][0]:
+                fulls = [v for v, kind, _ in index if kind == "full"]
+                raise ServiceError(404, "version", (
+                    f"version {version} of {model_id!r} was garbage-collected; the store keeps "
+                    f"versions {index[0][0]}..{index[-1][0]} (latest full: "
+                    f"{fulls[-1] if fulls else 'none'}): start from GET /v1/manifest/{model_id}/latest"))
         return decode(blob) if blob is not None else None
 
     def weight_file(self, model_id: str, version: int, name: str) -> tuple[Path, dict]:
@@ -481,8 +576,13 @@ class Dataflow:
             for m in self.model_ids:
                 c = dict.fromkeys(COUNTERS, 0)
                 c.update(counters.get(m, {}))
+                index = self.weight_index[m]
+                fulls = [v for v, kind, _ in index if kind == "full"]
                 c.update(queue_depth=len(self.queues[m]), current_version=self.versions[m],
-                         batches_outstanding=outstanding.get(m, 0))
+                         batches_outstanding=outstanding.get(m, 0),
+                         weight_versions_stored=len(index),
+                         weight_oldest_version=index[0][0] if index else None,
+                         weight_latest_full=fulls[-1] if fulls else None)
                 models[m] = c
             instances = [{"instance_id": r["instance_id"], "model_ids": json.loads(r["model_ids"]),
                           "capacity": r["capacity"], "last_seen": r["last_seen"],

@@ -233,6 +233,16 @@ class Store:
         rows = self.conn.execute("SELECT model_id, MAX(version) FROM versions GROUP BY model_id")
         return {r[0]: r[1] for r in rows}
 
+    def version_rows(self, model_id: str) -> list[sqlite3.Row]:
+        """(version, published_at, manifest) of every stored version of ``model_id``, ascending."""
+        return self.conn.execute("SELECT version, published_at, manifest FROM versions"
+                                 " WHERE model_id=? ORDER BY version", (model_id,)).fetchall()
+
+    def delete_versions(self, model_id: str, versions: list[int]) -> None:
+        """Forget garbage-collected versions (their manifests)."""
+        self.conn.executemany("DELETE FROM versions WHERE model_id=? AND version=?",
+                              [(model_id, v) for v in versions])
+
     def manifest_blob(self, model_id: str, version: int | None = None) -> bytes | None:
         if version is None:
             row = self.conn.execute("SELECT manifest FROM versions WHERE model_id=?"

@@ -5,12 +5,18 @@ and renamed into place, so a file either exists whole or not at all (a crash lea
 that the next upload of the same name replaces). Publication re-checks each file's sha256; the
 hash computed during upload is remembered (keyed by size and mtime) so a publish does not read
 gigabytes again.
+
+Garbage collection (decided by the service core, see ``Dataflow.gc_weights``) removes a version
+folder in two steps: an atomic rename to a hidden ``.trash-*`` name (the version is gone for every
+reader at once), then a ``rmtree`` outside the service lock. A crash in between leaves a trash
+folder that :meth:`WeightFiles.purge_trash` removes at the next start.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -105,3 +111,37 @@ class WeightFiles:
                 digest.update(block)
         self._hashes[path] = (st.st_size, st.st_mtime_ns, digest.hexdigest())
         return digest.hexdigest(), st.st_size
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def stored_versions(self, model_id: str) -> list[int]:
+        """Versions with a folder on disk (published or not), ascending."""
+        d = self.root / model_id
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def detach(self, model_id: str, version: int) -> Path | None:
+        """Atomically move a version folder out of sight; returns the trash path to
+        :meth:`purge` (outside any lock), or None if there was no folder."""
+        src = self.root / model_id / str(int(version))
+        trash = src.parent / f".trash-{int(version)}-{uuid.uuid4().hex}"
+        try:
+            os.rename(src, trash)
+        except FileNotFoundError:
+            return None
+        for path in [p for p in self._hashes if p.parent == src]:
+            del self._hashes[path]
+        return trash
+
+    @staticmethod
+    def purge(paths: list[Path]) -> None:
+        """Delete detached folders (slow for big files: call it off the event loop)."""
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def purge_trash(self) -> int:
+        """Remove trash folders an interrupted collection left behind; returns how many."""
+        found = [p for p in self.root.glob("*/.trash-*") if p.is_dir()]
+        self.purge(found)
+        return len(found)

@@ -2,8 +2,8 @@
 
 A thread plays the RaaS (register, lease, push samples scored by the tiny model at its initial
 weights); a real ``Trainer.fit`` of ``M2POPolicy`` pulls through ``RolloutDataModule``, acks every
-batch after its step, and ``WeightPublisher`` publishes versions the service records and serves
-back byte-for-byte.
+batch after its step, and ``WeightPublisher`` publishes versions (a full, then bf16 deltas) the
+service records and serves back; applied in order they give the trainer's bf16 weights bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from astralight.datamodules import RolloutDataModule
 from astralight.policy import M2POPolicy
 from astralight.protocol import Sample
 from astralight.rl.logprobs import causal_lm_logprobs
-from astralight.weights import read_full
+from astralight.weights import WeightState
 
 
 def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
@@ -90,9 +90,18 @@ def test_fit_against_the_dataflow_service(dataflow_service, tiny_model_dir, tmp_
     assert stats["batches_outstanding"] == 0  # nothing pulled and left unacknowledged
     assert publisher.last_published_version == client.current_version("policy") == 3
     manifest = client.latest_manifest("policy")
-    assert manifest.version == 3 and manifest.kind == "full"
-    files = {name: client.download_weight_file("policy", 3, name) for name in manifest.files}
-    bits = read_full(manifest, files)  # every file and tensor checksum verified
+    # v1 full, then bf16 deltas onto the last published version (a version the trainer
+    # outran while the encoder process started is skipped); a newcomer applies the chain
+    manifests = [manifest]
+    while manifests[0].kind == "delta":
+        manifests.insert(0, client.manifest("policy", manifests[0].base_version))
+    assert manifests[0].version == 1 and manifest.version == 3 and manifest.kind == "delta"
+    assert len(publisher.published_versions) + publisher.replaced == 3
+    ws = WeightState()
+    for m in manifests:  # every file and tensor checksum verified
+        ws.apply(m, {name: client.download_weight_file("policy", m.version, name)
+                     for name in m.files})
+    bits = ws.state
     state = policy.model.state_dict()
     for name, arr in bits.items():
         expected = state[name].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
