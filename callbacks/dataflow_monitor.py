@@ -14,6 +14,8 @@ import time
 
 import lightning.pytorch as pl
 
+from astralight.dataflow.client import LazyDataflowClient
+
 log = logging.getLogger(__name__)
 
 #: dataflow counters worth a curve; the stats route has more
@@ -21,7 +23,7 @@ STAT_KEYS = ("samples_accepted", "stale_dropped", "samples_acked", "duplicates_i
              "tasks_reissued", "queue_depth", "current_version")
 
 
-class DataflowMonitor(pl.Callback):
+class DataflowMonitor(LazyDataflowClient, pl.Callback):
     """Log the dataflow's eval results and counters for this trainer's policy.
 
     Args:
@@ -64,12 +66,11 @@ class DataflowMonitor(pl.Callback):
             raise ValueError("dataflow_url: not set and the datamodule has none; set "
                              "callbacks[DataflowMonitor].init_args.dataflow_url")
 
-    def _get_client(self):
-        if self._client is None:
-            from astralight.dataflow.client import DataflowClient
+    def make_client(self):
+        from astralight.dataflow.client import DataflowClient
 
-            self._client = DataflowClient(self.dataflow_url, token=self.token, retry_s=5.0)
-        return self._client
+        # a short retry: monitoring waits for nothing, the next poll tries again
+        return DataflowClient(self.dataflow_url, token=self.token, retry_s=5.0)
 
     # ------------------------------------------------------------------ polling
 
@@ -77,7 +78,7 @@ class DataflowMonitor(pl.Callback):
         """Log new complete eval results and the current counters; returns the eval table."""
         if trainer.logger is None or trainer.global_rank != 0:
             return {}
-        client = self._get_client()
+        client = self.client
         try:
             evals = client.eval_results(self.model_id)
             stats = client.stats().get("models", {}).get(self.model_id, {})
@@ -115,9 +116,7 @@ class DataflowMonitor(pl.Callback):
             time.sleep(1.0)
         if trainer.logger is not None:
             trainer.logger.finalize("success")
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self.close_client()
 
     # ------------------------------------------------------------------ checkpointing
 

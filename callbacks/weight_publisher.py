@@ -128,6 +128,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from astralight.dataflow.client import LazyDataflowClient
 from astralight.weights import ArtifactBuilder
 from astralight.weights.publish_worker import (
     PublishBuilder,
@@ -268,7 +269,7 @@ class _Encoder:
                 pass
 
 
-class WeightPublisher(pl.Callback):
+class WeightPublisher(LazyDataflowClient, pl.Callback):
     """Publish version ``optimizer_steps // every_n_steps`` every ``every_n_steps`` steps.
 
     Args:
@@ -360,24 +361,6 @@ class WeightPublisher(pl.Callback):
         self.enqueued = 0
 
     # ---------------------------------------------------------------- client
-
-    def make_client(self):
-        from astralight.dataflow.client import DataflowClient
-
-        if not self.dataflow_url:
-            raise ValueError("dataflow_url: not set and the datamodule has none; "
-                             "set callbacks[WeightPublisher].init_args.dataflow_url")
-        return DataflowClient(self.dataflow_url, token=self.token)
-
-    @property
-    def client(self):
-        if self._client is None:
-            self._client = self.make_client()
-        return self._client
-
-    @client.setter
-    def client(self, value) -> None:
-        self._client = value
 
     # ---------------------------------------------------------------- extension points
 
@@ -775,9 +758,7 @@ class WeightPublisher(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._thread is not None:
             self._shutdown(wait=True)
-        if self._client is not None and hasattr(self._client, "close"):
-            self._client.close()
-            self._client = None
+        self.close_client()
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_published_version": self.last_published_version,

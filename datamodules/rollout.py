@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from astralight.dataflow.client import LazyDataflowClient
+
 log = logging.getLogger(__name__)
 
 PAD_ID = 0
@@ -159,7 +161,7 @@ class RolloutStream(IterableDataset):
         self._client = None
 
 
-class RolloutDataModule(pl.LightningDataModule):
+class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
     """Streams batches of ``model_id`` from the dataflow at ``dataflow_url``.
 
     Args:
@@ -203,22 +205,6 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # ---------------------------------------------------------------- client
 
-    def make_client(self):
-        """The dataflow client (override or assign :attr:`client` to substitute one)."""
-        from astralight.dataflow.client import DataflowClient
-
-        return DataflowClient(self.dataflow_url, token=self.token)
-
-    @property
-    def client(self):
-        if self._client is None:
-            self._client = self.make_client()
-        return self._client
-
-    @client.setter
-    def client(self, value) -> None:
-        self._client = value
-
     def _trainer_id(self) -> str:
         if self.trainer_id:
             return self.trainer_id
@@ -254,9 +240,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.n_acknowledged += 1
 
     def teardown(self, stage: str) -> None:
-        if self._client is not None and hasattr(self._client, "close"):
-            self._client.close()
-        self._client = None
+        self.close_client()
         self._stream = None
 
 

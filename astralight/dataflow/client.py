@@ -217,3 +217,37 @@ class DataflowClient:
             raise DataflowError(404, f"{name!r} is not a file of {model_id} version {version}",
                                 field="name")
         return manifest.files[name]
+
+
+class LazyDataflowClient:
+    """Mixin for components that talk to the dataflow: one client, built on first use.
+
+    Building it lazily keeps constructors cheap (jsonargparse builds components before any
+    process has a network); assigning :attr:`client` substitutes one (tests, custom transports).
+    Subclasses set ``dataflow_url`` and ``token`` and may override :meth:`make_client`.
+    """
+
+    _client = None
+    dataflow_url: str | None = None
+    token: str | None = None
+
+    def make_client(self):
+        if not self.dataflow_url:
+            raise ValueError(f"dataflow_url: not set for {type(self).__name__}; set its "
+                             "init_args.dataflow_url (or the datamodule's)")
+        return DataflowClient(self.dataflow_url, token=self.token)
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = self.make_client()
+        return self._client
+
+    @client.setter
+    def client(self, value) -> None:
+        self._client = value
+
+    def close_client(self) -> None:
+        if self._client is not None and hasattr(self._client, "close"):
+            self._client.close()
+        self._client = None
