@@ -1,8 +1,8 @@
 """HTTP face of the dataflow service (FastAPI): routes under ``/v1``, msgpack bodies.
 
 Request and response bodies are msgpack (``application/msgpack``, via :mod:`astralight.protocol`);
-only ``/v1/info``, ``/v1/stats`` and ``/v1/eval/{model_id}`` answer JSON, and weight files travel
-as raw bytes (with HTTP Range on download). Every route is guarded by ``ASTRALIGHT_TOKEN`` when it
+only ``/v1/info``, ``/v1/stats``, ``/v1/eval/{model_id}`` and ``/v1/counters/{model_id}`` answer
+JSON, and weight files travel as raw bytes (with HTTP Range on download). Every route is guarded by ``ASTRALIGHT_TOKEN`` when it
 is set. A bad request gets a 4xx JSON ``{"error", "field"}``; an unexpected exception a 500 JSON,
 logged with its traceback; neither stops the server.
 
@@ -203,6 +203,11 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     async def eval_results(model_id: str):
         results = await run_in_threadpool(core.eval_results, model_id)
         return {str(v): r for v, r in results.items()}
+
+    @app.get("/v1/counters/{model_id}")
+    async def version_counters(model_id: str, since: int = 0):
+        counters = await run_in_threadpool(core.version_counters, model_id, since)
+        return {"model_id": model_id, "versions": {str(v): c for v, c in counters.items()}}
 
     # -- RaaS side ----------------------------------------------------------
 

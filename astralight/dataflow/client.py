@@ -121,6 +121,11 @@ class DataflowClient:
 
     # ------------------------------------------------------------------ RaaS side
 
+    def counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
+        """Counters of ``model_id`` per policy version (GET /v1/counters/{model_id})."""
+        data = self._send("GET", f"/v1/counters/{model_id}?since={int(since)}").json()
+        return {int(v): c for v, c in data["versions"].items()}
+
     def register(self, model_ids: list[str], capacity: int, instance_id: str | None = None,
                  meta: dict | None = None) -> dict:
         return self._call("POST", "/v1/register", {"model_ids": list(model_ids), "capacity": capacity,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser
+
+from astralight.dataflow.plugins import normalize_spec
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -36,6 +38,34 @@ class EvalConfig:
     k: int = 4
 
 
+def _default_selectors() -> list:
+    return ["uniform"]
+
+
+@dataclass
+class ReplayConfig:
+    """Replay at batch serving: a ``ratio`` share of every batch comes from samples trained before.
+
+    A fresh sample enters its policy's replay pool when the batch that carried it is acknowledged.
+    Args:
+        ratio: share of each batch drawn from the pool (0 disables replay; < 1: every batch keeps
+            fresh samples). When the pool holds fewer eligible samples, fresh ones fill the batch.
+        max_staleness: never replay a sample whose oldest token is more than this many versions
+            behind the policy's current version (checked at serve time, drops counted).
+        pool_size: samples kept per policy; the oldest are evicted (counted) beyond it.
+        max_uses: a sample leaves the pool after being replayed this many times (0: no limit).
+        selectors: replay selectors in order (``latest``, ``uniform``, ``high_variance`` or
+            ``{class_path, init_args}``); each narrows or reorders the candidates of the previous,
+            the batch takes the first ones of the last.
+    """
+
+    ratio: float = 0.0
+    max_staleness: int = 4
+    pool_size: int = 4096
+    max_uses: int = 0
+    selectors: list[Union[str, dict]] = field(default_factory=_default_selectors)
+
+
 @dataclass
 class DataflowConfig:
     """Every knob of the dataflow service.
@@ -50,15 +80,32 @@ class DataflowConfig:
         group_size: samples per train task (the group of the group-normalised advantage).
         lease_seconds: a leased task not pushed within this is re-issued.
         max_staleness: serve only samples at most this many versions behind the current one.
-        queue_order: ``fifo`` (ingest order) or ``edf`` (oldest behaviour version first).
+        queue_order: serving order of the fresh queues: ``fifo`` (ingest order), ``edf`` (oldest
+            behaviour version first), a list of queue-order plugins composed lexicographically
+            (``[edf, fifo]``, ``{class_path, init_args}``), or a mapping ``{model_id: order}`` for a
+            different order per policy (policies not named get ``fifo``).
+        curators: prompt curators (pre-rollout hook) in order: ``accept_all``, ``filter_solved``,
+            ``greso`` or ``{class_path, init_args}``. A prompt becomes a task only if every
+            curator accepts it; every curator learns every outcome. Empty: accept all.
+        curator_max_skips: safety valve: after this many consecutive rejected prompts the next
+            one is submitted anyway (counted as ``prompts_forced``); 0 means one pass over the
+            source, at most 10000 (procedural sources are endless).
+        sample_filters: sample filters (post-rollout hook) in order: ``keep_all``,
+            ``zero_advantage`` (dynamic sampling), ``length`` or ``{class_path, init_args}``.
+            Filtered samples stay in SQLite (state ``filtered``) and are counted.
+        replay: replay at batch serving (see :class:`ReplayConfig`).
+        plugin_state_every_s: persist the data plugins' state (with their random generators) at
+            least this often, besides at every published version of the primary policy
+            (``model_ids[0]``) and at shutdown.
         max_buffered_samples: stop creating train tasks while every fresh queue plus what open
             tasks will deliver holds this many samples; also the largest pull size.
         max_inflight_tasks: at most this many open (unpushed) train tasks.
         eval: held-out evaluation schedule.
         max_body_bytes: largest msgpack request body.
         max_weight_file_bytes: largest uploaded weight file.
-        seed: reserved for seeded data plugins; the service itself draws nothing at random
-            (prompts come from the source, which has its own seed).
+        seed: seeds every data plugin's random generator (each plugin gets its own stream,
+            derived from this seed and its place in the config); prompts come from the source,
+            which has its own seed.
         batch_ack_timeout_s: a served batch not acked within this goes back into its queue.
         max_samples_per_rollout: a push holds at most n * len(model_ids) * this many samples.
         max_pull_timeout_s: upper bound on one long-poll pull.
@@ -81,7 +128,7 @@ class DataflowConfig:
     group_size: int = 8
     lease_seconds: float = 60.0
     max_staleness: int = 4
-    queue_order: str = "fifo"
+    queue_order: Union[str, list[Union[str, dict]], dict[str, Union[str, list[Union[str, dict]]]]] = "fifo"
     max_buffered_samples: int = 512
     max_inflight_tasks: int = 64
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -94,10 +141,17 @@ class DataflowConfig:
     log_level: str = "INFO"
     weights_gc: bool = True
     weights_keep_s: float = 300.0
+    curators: list[Union[str, dict]] = field(default_factory=list)
+    curator_max_skips: int = 0
+    sample_filters: list[Union[str, dict]] = field(default_factory=list)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    plugin_state_every_s: float = 10.0
 
     def __post_init__(self) -> None:
         if isinstance(self.eval, dict):  # programmatic use: DataflowConfig(eval={...})
             self.eval = EvalConfig(**self.eval)
+        if isinstance(self.replay, dict):
+            self.replay = ReplayConfig(**self.replay)
         self.validate()
 
     def validate(self) -> None:
@@ -107,8 +161,29 @@ class DataflowConfig:
         for mid in self.model_ids:
             if not isinstance(mid, str) or not _NAME_RE.match(mid):
                 raise ValueError(f"model_ids: {mid!r} must match {_NAME_RE.pattern}")
-        if self.queue_order not in ("fifo", "edf"):
-            raise ValueError(f"queue_order: must be 'fifo' or 'edf', got {self.queue_order!r}")
+        self.queue_order_specs()  # raises naming the bad entry
+        for name, specs in self.plugin_lists().items():
+            if not isinstance(specs, list):
+                raise ValueError(f"{name}: must be a list of plugin specs, got {specs!r}")
+            for i, spec in enumerate(specs):
+                normalize_spec(spec, f"{name}[{i}]")
+        rp = self.replay
+        if not 0.0 <= rp.ratio < 1.0:
+            raise ValueError(f"replay.ratio: must be in [0, 1) (a share of each batch), got {rp.ratio}")
+        if rp.max_staleness < 0:
+            raise ValueError(f"replay.max_staleness: must be >= 0, got {rp.max_staleness}")
+        if rp.pool_size < 1:
+            raise ValueError(f"replay.pool_size: must be >= 1, got {rp.pool_size}")
+        if rp.max_uses < 0:
+            raise ValueError(f"replay.max_uses: must be >= 0 (0: no limit), got {rp.max_uses}")
+        if rp.ratio > 0 and not rp.selectors:
+            raise ValueError("replay.selectors: replay is on (ratio > 0) but no selector is "
+                             "configured; use [uniform]")
+        if self.curator_max_skips < 0:
+            raise ValueError(f"curator_max_skips: must be >= 0 (0: one pass over the source), "
+                             f"got {self.curator_max_skips}")
+        if not self.plugin_state_every_s > 0:
+            raise ValueError(f"plugin_state_every_s: must be > 0, got {self.plugin_state_every_s}")
         positive = {"group_size": self.group_size, "lease_seconds": self.lease_seconds,
                     "max_buffered_samples": self.max_buffered_samples,
                     "max_inflight_tasks": self.max_inflight_tasks,
@@ -130,6 +205,31 @@ class DataflowConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def plugin_lists(self) -> dict[str, list]:
+        """The plugin lists that apply to the whole service, by config key."""
+        return {"curators": self.curators, "sample_filters": self.sample_filters,
+                "replay.selectors": self.replay.selectors}
+
+    def queue_order_specs(self) -> dict[str, list[dict]]:
+        """Normalised queue-order plugin specs per model_id (see ``queue_order``)."""
+        order = self.queue_order
+        if isinstance(order, dict):
+            unknown = sorted(set(order) - set(self.model_ids))
+            if unknown:
+                raise ValueError(f"queue_order: {unknown} are not in model_ids {self.model_ids}")
+            per_model = {m: order.get(m, "fifo") for m in self.model_ids}
+        else:
+            per_model = {m: order for m in self.model_ids}
+        out = {}
+        for m, spec in per_model.items():
+            name = f"queue_order.{m}" if isinstance(order, dict) else "queue_order"
+            specs = spec if isinstance(spec, list) else [spec]
+            if not specs:
+                raise ValueError(f"{name}: an empty list; use fifo or edf")
+            out[m] = [normalize_spec(s, f"{name}[{i}]" if isinstance(spec, list) else name)
+                      for i, s in enumerate(specs)]
+        return out
 
 
 def build_parser() -> ArgumentParser:
@@ -166,3 +266,26 @@ def instantiate_plugin(spec: dict, base: type, name: str) -> Any:
         return parser.instantiate(ns).plugin
     except Exception as exc:
         raise ValueError(f"{name}: cannot build {spec.get('class_path')!r}: {exc}") from exc
+
+
+def build_plugins(config: DataflowConfig) -> dict[str, Any]:
+    """Instantiate every data plugin of ``config``; a bad spec fails naming its place.
+
+    Returns ``{"curators": [...], "sample_filters": [...], "replay.selectors": [...],
+    "queue_order": {model_id: [...]}}``, each object checked against its base class.
+    """
+    from astralight.dataflow.curators import PromptCurator
+    from astralight.dataflow.queues import QueueOrder
+    from astralight.dataflow.replay import ReplaySelector
+    from astralight.dataflow.sample_filters import SampleFilter
+
+    bases = {"curators": PromptCurator, "sample_filters": SampleFilter,
+             "replay.selectors": ReplaySelector}
+    out: dict[str, Any] = {}
+    for key, specs in config.plugin_lists().items():
+        out[key] = [instantiate_plugin(normalize_spec(s, f"{key}[{i}]"), bases[key], f"{key}[{i}]")
+                    for i, s in enumerate(specs)]
+    out["queue_order"] = {
+        m: [instantiate_plugin(s, QueueOrder, f"queue_order.{m}[{i}]") for i, s in enumerate(specs)]
+        for m, specs in config.queue_order_specs().items()}
+    return out

@@ -1,7 +1,10 @@
 """The dataflow service's state machine, independent of HTTP.
 
 :class:`Dataflow` owns the prompt sources, task leases, fresh queues, served batches, policy
-versions, weight files and eval scheduling, and keeps all of it durable in a :class:`Store`. Every
+versions, weight files, eval scheduling and the data algorithms (prompt curators before rollout,
+sample filters after it, replay at serving, queue orders), and keeps all of it durable in a
+:class:`Store`. The data algorithms are plugins (``astralight.dataflow.plugins``): this module
+only calls their hooks, counts what they decide and persists their state. Every
 public method is one request: it takes the lock, does its work in one SQLite transaction and
 returns plain data, raising :class:`ServiceError` (a 4xx naming the field) for a bad request.
 In-memory structures (the fresh queues, the current versions) change only after the transaction
@@ -15,15 +18,18 @@ import logging
 import threading
 import time
 import uuid
-from collections import defaultdict
+import zlib
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from astralight.dataflow import evals
-from astralight.dataflow.config import DataflowConfig, instantiate_plugin
+from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
 from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.plugins import DataPlugin, PromptOutcome
 from astralight.dataflow.queues import FreshQueue, QueueEntry
+from astralight.dataflow.replay import ReplayEntry, ReplayPool
 from astralight.dataflow.store import Store
 from astralight.dataflow.weightfiles import WeightFiles, check_file_name
 from astralight.protocol import SCHEMA_VERSION, Batch, Sample, Task, WeightManifest, decode, encode
@@ -38,7 +44,13 @@ COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_r
             "samples_accepted", "duplicates_ignored", "stale_dropped", "samples_served",
             "batches_served", "samples_acked", "batches_acked", "batches_requeued",
             "samples_requeued", "eval_samples_accepted", "eval_samples_ignored",
-            "weight_versions_removed")
+            "weight_versions_removed",
+            # data algorithms
+            "rollouts_generated", "prompts_submitted", "prompts_skipped", "prompts_forced",
+            "groups_filtered", "samples_filtered", "replay_added", "replay_evicted",
+            "replay_stale_dropped", "replay_exhausted", "replay_served", "samples_trained")
+#: the generic curator safety valve never scans more than this many prompts for one task
+MAX_CURATOR_SKIPS = 10_000
 
 
 class Dataflow:
@@ -66,8 +78,21 @@ class Dataflow:
         self.model_ids = list(config.model_ids)
         stored = self.store.latest_versions()
         self.versions = {m: stored.get(m, 0) for m in self.model_ids}
-        self.queues = {m: FreshQueue(config.queue_order, config.max_staleness) for m in self.model_ids}
+        self.primary = self.model_ids[0]
+        self.plugins = build_plugins(config)
+        self.curators = self.plugins["curators"]
+        self.sample_filters = self.plugins["sample_filters"]
+        self.replay_selectors = self.plugins["replay.selectors"]
+        self.queues = {m: FreshQueue(self.plugins["queue_order"][m], config.max_staleness)
+                       for m in self.model_ids}
+        self.max_skips = min(config.curator_max_skips or len(self.source), MAX_CURATOR_SKIPS)
+        self._skip_run = 0  # consecutive prompts the curators rejected (the safety valve's count)
+        self._load_plugin_state()
         self._rebuild_queues()
+        self.replay_pools = {m: ReplayPool(config.replay.pool_size, config.replay.max_staleness,
+                                           config.replay.max_uses) for m in self.model_ids}
+        if config.replay.ratio > 0:
+            self._rebuild_replay_pools()
         self.open_train = self.store.count_open_tasks("train")
         # (version, kind, published_at) of every stored version: what weight GC decides on
         self.weight_index: dict[str, list[tuple[int, str, float]]] = {
@@ -92,11 +117,86 @@ class Dataflow:
                 continue
             queue.push(QueueEntry(row["id"], row["min_version"], decode(bytes(row["blob"]))))
 
+    # ------------------------------------------------------------------ data plugins
+
+    def named_plugins(self) -> dict[str, DataPlugin]:
+        """Every data plugin by its place in the config (``curators[0]``, ``queue_order.policy[0]``)."""
+        out: dict[str, DataPlugin] = {}
+        for key in ("curators", "sample_filters", "replay.selectors"):
+            for i, plugin in enumerate(self.plugins[key]):
+                out[f"{key}[{i}]"] = plugin
+        for m, orders in self.plugins["queue_order"].items():
+            for i, plugin in enumerate(orders):
+                out[f"queue_order.{m}[{i}]"] = plugin
+        return out
+
+    @staticmethod
+    def _class_path(plugin: DataPlugin) -> str:
+        return f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+
+    def _load_plugin_state(self) -> None:
+        """Give every plugin its own seeded generator, then restore what the last run saved.
+
+        A plugin's stream is derived from ``seed`` and its place in the config, so adding a
+        plugin does not change the draws of the others. Saved state of a different class (the
+        config changed between runs) is ignored with a warning: the plugin starts fresh.
+        """
+        saved = self.store.get_meta("plugin_run_state", {})
+        self._skip_run = int(saved.get("skip_run", 0))
+        states = self.store.plugin_states()
+        for name, plugin in self.named_plugins().items():
+            plugin.rng = np.random.default_rng([self.config.seed, zlib.crc32(name.encode())])
+            if name not in states:
+                continue
+            class_path, state = states[name]
+            if class_path != self._class_path(plugin):
+                log.warning("%s: saved state is of %s, the config now names %s; starting it fresh",
+                            name, class_path, self._class_path(plugin))
+                continue
+            plugin.rng.bit_generator.state = state["rng"]
+            plugin.load_state_dict(state["plugin"])
+            log.info("%s (%s): state restored", name, type(plugin).__name__)
+
+    def _save_plugin_state(self, now: float) -> None:
+        """Inside the caller's transaction: persist every plugin's state and generator."""
+        for name, plugin in self.named_plugins().items():
+            self.store.save_plugin_state(name, self._class_path(plugin),
+                                         {"rng": plugin.rng.bit_generator.state,
+                                          "plugin": plugin.state_dict()}, now)
+        self.store.set_meta("plugin_run_state", {"skip_run": self._skip_run})
+        self._plugins_saved_at = now
+
+    def _maybe_save_plugin_state(self, now: float) -> None:
+        if now - getattr(self, "_plugins_saved_at", 0.0) >= self.config.plugin_state_every_s:
+            self._save_plugin_state(now)
+
+    def _rebuild_replay_pools(self) -> None:
+        """Refill each replay pool with the newest trained samples still replayable."""
+        rp = self.config.replay
+        for m, pool in self.replay_pools.items():
+            rows = self.store.replay_candidates(m, self.versions[m] - rp.max_staleness, rp.pool_size)
+            for r in reversed(rows):  # oldest first, as they entered the pool
+                if rp.max_uses and r["uses"] >= rp.max_uses:
+                    continue
+                pool.add(ReplayEntry(r["id"], r["min_version"], decode(bytes(r["blob"])),
+                                     added_version=self.versions[m], uses=int(r["uses"])))
+            if len(pool):
+                log.info("replay pool of %s: %d samples restored", m, len(pool))
+
     def close(self) -> None:
         with self.lock:
+            try:
+                with self.store.tx():
+                    self._save_plugin_state(time.time())
+            except Exception:  # never lose the database close over a plugin's state
+                log.exception("could not save the data plugins' state at shutdown")
             self.store.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _bump(self, model_id: str, name: str, k: int = 1) -> None:
+        """Count an event for ``model_id`` in total and at its current version."""
+        self.store.bump(model_id, name, k, self.versions[model_id])
 
     def _model(self, model_id, field: str = "model_id") -> str:
         if model_id not in self.queues:
@@ -129,6 +229,9 @@ class Dataflow:
                 "workflow": cfg.workflow, "group_size": cfg.group_size,
                 "lease_seconds": cfg.lease_seconds, "max_staleness": cfg.max_staleness,
                 "queue_order": cfg.queue_order, "max_buffered_samples": cfg.max_buffered_samples,
+                "data_plugins": {name: type(p).__name__ for name, p in self.named_plugins().items()},
+                "replay": {"ratio": cfg.replay.ratio, "max_staleness": cfg.replay.max_staleness,
+                           "pool_size": cfg.replay.pool_size, "max_uses": cfg.replay.max_uses},
                 "max_body_bytes": cfg.max_body_bytes,
                 "max_weight_file_bytes": cfg.max_weight_file_bytes,
                 "eval": {"enabled": self.eval_source is not None, "every": cfg.eval.every,
@@ -192,6 +295,8 @@ class Dataflow:
                     created += 1
                     out.append(self._issue(row, instance_id, deadline))
                 self.store.touch_instance(instance_id, now, leased=len(out))
+                if created:
+                    self._maybe_save_plugin_state(now)
             self.open_train += created
             return out
 
@@ -203,14 +308,37 @@ class Dataflow:
         return any(len(q) + expected < cfg.max_buffered_samples for q in self.queues.values())
 
     def _create_train_task(self, now: float):
+        """Draw the next prompt the curators accept and store it as a train task.
+
+        Every rejected prompt is counted (``prompts_skipped``) and the source moves on; after
+        ``curator_max_skips`` consecutive rejections the next prompt goes through anyway
+        (``prompts_forced``), so a curator that rejects everything slows the stream, never stops it.
+        """
         cursor = int(self.store.get_meta("source_cursor", 0))
-        prompt = self.source.get(cursor % len(self.source))
+        version = self.versions[self.primary]
+        while True:
+            prompt = self.source.get(cursor % len(self.source))
+            if all(c.should_submit(prompt, version) for c in self.curators):
+                break
+            if self._skip_run >= self.max_skips:
+                log.warning("curators rejected %d prompts in a row; submitting %s anyway "
+                            "(curator_max_skips)", self._skip_run, prompt.prompt_id)
+                for m in self.model_ids:
+                    self._bump(m, "prompts_forced")
+                break
+            self._skip_run += 1
+            cursor += 1
+            for m in self.model_ids:
+                self._bump(m, "prompts_skipped")
+        self._skip_run = 0
         task = Task(task_id=f"train:{cursor}", prompt=prompt.prompt, n=self.config.group_size,
                     model_ids=list(self.model_ids), workflow=self.config.workflow, kind="train",
                     metadata=dict(prompt.metadata))
         self.store.insert_task(task.task_id, "train", task.model_ids, encode(task), now,
                                prompt_index=cursor)
         self.store.set_meta("source_cursor", cursor + 1)
+        for m in self.model_ids:
+            self._bump(m, "prompts_submitted")
         return self.store.task(task.task_id)
 
     def _issue(self, row, instance_id: str, deadline: float) -> Task:
@@ -220,7 +348,7 @@ class Dataflow:
         prefix = "eval_" if row["kind"] == "eval" else ""
         name = "tasks_reissued" if row["lease_count"] > 0 else "tasks_issued"
         for m in json.loads(row["model_ids"]):
-            self.store.bump(m, prefix + name)
+            self._bump(m, prefix + name)
         if row["lease_count"] > 0:
             log.info("re-issued %s to %s (lease %d expired)", row["task_id"], instance_id,
                      row["lease_count"])
@@ -238,32 +366,73 @@ class Dataflow:
             if row["state"] == "done":
                 with self.store.tx():
                     for m in model_ids:
-                        self.store.bump(m, "duplicates_ignored")
+                        self._bump(m, "duplicates_ignored")
                     self.store.touch_instance(instance_id, now)
-                return {"accepted": 0, "duplicate": True}
+                return {"accepted": 0, "filtered": 0, "duplicate": True}
             if row["lease_count"] == 0:
                 raise ServiceError(409, "task_id", f"task {task_id!r} was never leased")
             self._validate_samples(row, model_ids, samples)
             _group_stats(samples)
             entries: list[QueueEntry] = []
+            outcome = None
             with self.store.tx():
                 if row["kind"] == "eval":  # scored, never queued for training
                     self._record_eval(row, samples, now)
                 else:
+                    kept, outcome = self._filter_groups(row, samples)
+                    counts: Counter = Counter()
                     for s in samples:
                         mv = s.min_version
+                        keep = id(s) in kept
                         sid = self.store.insert_sample(task_id, s.model_id, s.sample_index, mv,
-                                                       s.reward, encode(s), now)
-                        entries.append(QueueEntry(sid, mv, s))
-                        self.store.bump(s.model_id, "samples_accepted")
+                                                       s.reward, encode(s), now,
+                                                       state="queued" if keep else "filtered")
+                        counts[s.model_id, "rollouts_generated"] += 1
+                        if keep:
+                            entries.append(QueueEntry(sid, mv, s))
+                            counts[s.model_id, "samples_accepted"] += 1
+                        else:
+                            counts[s.model_id, "samples_filtered"] += 1
+                    for m, group_kept in outcome.kept.items():
+                        counts[m, "groups_filtered"] += not group_kept
+                    for (m, name), k in counts.items():
+                        self._bump(m, name, k)
                 self.store.mark_done(task_id, now)
                 self.store.touch_instance(instance_id, now, pushed=len(samples))
+                self._maybe_save_plugin_state(now)
             # committed: only now does the in-memory state follow
             if row["kind"] == "train":
                 self.open_train -= 1
             for e in entries:
                 self.queues[e.sample.model_id].push(e)
-            return {"accepted": len(samples), "duplicate": False}
+            if outcome is not None:
+                for curator in self.curators:
+                    curator.update(outcome)
+            return {"accepted": len(entries) if row["kind"] == "train" else len(samples),
+                    "filtered": len(samples) - len(entries) if row["kind"] == "train" else 0,
+                    "duplicate": False}
+
+    def _filter_groups(self, row, samples: list[Sample]) -> tuple[set[int], PromptOutcome]:
+        """Run the sample filters over each policy's group; returns the ids (``id()``) of the
+        kept samples and the outcome the curators learn from (rewards before filtering)."""
+        groups: dict[str, list[Sample]] = defaultdict(list)
+        for s in samples:
+            groups[s.model_id].append(s)
+        kept: set[int] = set()
+        kept_groups: dict[str, bool] = {}
+        for m, group in groups.items():
+            survivors = group
+            for f in self.sample_filters:
+                if survivors and f.applies_to(m):
+                    survivors = f.select(survivors)
+            kept.update(id(s) for s in survivors)
+            kept_groups[m] = bool(survivors)
+        index = int(row["prompt_index"]) % len(self.source)
+        outcome = PromptOutcome(prompt_id=self.source.get(index).prompt_id, prompt_index=index,
+                                version=self.versions[self.primary],
+                                rewards={m: [float(s.reward) for s in g] for m, g in groups.items()},
+                                kept=kept_groups)
+        return kept, outcome
 
     def _validate_samples(self, row, model_ids: list[str], samples: list[Sample]) -> None:
         limit = decode(bytes(row["payload"])).n * len(model_ids) * self.config.max_samples_per_rollout
@@ -297,13 +466,13 @@ class Dataflow:
         target = row["target_model"]
         mine = [s for s in samples if s.model_id == target]
         if len(mine) < len(samples):
-            self.store.bump(target, "eval_samples_ignored", len(samples) - len(mine))
+            self._bump(target, "eval_samples_ignored", len(samples) - len(mine))
         if not mine:
             return
         report = evals.summarize(mine)
         self.store.insert_eval_report(target, row["eval_version"], row["prompt_index"],
                                       row["task_id"], now=now, **report)
-        self.store.bump(target, "eval_samples_accepted", len(mine))
+        self._bump(target, "eval_samples_accepted", len(mine))
 
     # ------------------------------------------------------------------ trainer side
 
@@ -315,38 +484,67 @@ class Dataflow:
                                             "max_buffered_samples to pull bigger batches")
 
     def pull(self, model_id: str, size: int, trainer_id: str | None = None) -> Batch | None:
-        """Serve exactly ``size`` fresh samples as a recorded batch, or None (stale ones dropped)."""
+        """Serve exactly ``size`` samples as a recorded batch, or None (stale ones dropped).
+
+        With replay on, ``floor(size * replay.ratio)`` of them come from the replay pool (as many
+        as it holds that are fresh enough), the rest from the fresh queue; the batch is formed
+        only when the fresh queue can fill its share.
+        """
         self.check_pull(model_id, size)
         with self.lock:
             version = self.versions[model_id]
-            queue = self.queues[model_id]
-            chosen, dropped = queue.take(size, version)
-            if chosen is None and not dropped:
+            queue, pool = self.queues[model_id], self.replay_pools[model_id]
+            replay_stale = pool.drop_stale(version)
+            n_replay = min(int(size * self.config.replay.ratio), len(pool))
+            chosen, dropped = queue.take(size - n_replay, version)
+            replayed: list[ReplayEntry] = []
+            exhausted: list[ReplayEntry] = []
+            if chosen is not None and n_replay:
+                replayed, more_stale, exhausted = pool.draw(n_replay, version, self.replay_selectors)
+                replay_stale += more_stale
+                if len(replayed) < n_replay:  # a selector narrowed too far: fresh fills the rest
+                    queue_more, dropped_more = queue.take(n_replay - len(replayed), version)
+                    dropped += dropped_more
+                    if queue_more is None:
+                        for e in chosen:
+                            queue.push(e)
+                        chosen = None
+                    else:
+                        chosen += queue_more
+            if chosen is None and not dropped and not replay_stale:
                 return None
             batch_id = uuid.uuid4().hex
             try:
                 with self.store.tx():
                     self._record_stale(model_id, dropped)
+                    self._bump(model_id, "replay_stale_dropped", len(replay_stale))
                     if chosen is not None:
                         self.store.insert_batch(batch_id, model_id, trainer_id, version, size,
                                                 time.time())
                         self.store.set_sample_state([e.sample_id for e in chosen], "served",
                                                     batch_id)
-                        self.store.bump(model_id, "samples_served", size)
-                        self.store.bump(model_id, "batches_served")
+                        self.store.insert_replays(batch_id, [e.sample_id for e in replayed])
+                        self._bump(model_id, "samples_served", len(chosen))
+                        self._bump(model_id, "replay_served", len(replayed))
+                        self._bump(model_id, "replay_exhausted", len(exhausted))
+                        self._bump(model_id, "batches_served")
             except BaseException:
                 for e in (chosen or []) + dropped:  # the store was not changed: neither is the queue
                     queue.push(e)
+                for e in replayed:  # nor the replay pool (uses back to what they were)
+                    e.uses -= 1
+                    if any(e is x for x in exhausted):
+                        pool.add(e)
                 raise
             if chosen is None:
                 return None
             return Batch(batch_id=batch_id, model_id=model_id, policy_version=version,
-                         samples=[e.sample for e in chosen])
+                         samples=[e.sample for e in chosen] + [e.sample for e in replayed])
 
     def _record_stale(self, model_id: str, dropped: list[QueueEntry]) -> None:
         if dropped:
             self.store.set_sample_state([e.sample_id for e in dropped], "stale")
-            self.store.bump(model_id, "stale_dropped", len(dropped))
+            self._bump(model_id, "stale_dropped", len(dropped))
             log.info("dropped %d stale samples of %s (current version %d, max_staleness %d)",
                      len(dropped), model_id, self.versions[model_id], self.config.max_staleness)
 
@@ -365,10 +563,33 @@ class Dataflow:
             with self.store.tx():
                 self.store.set_sample_state(ids, "acked")
                 self.store.set_batch_state(batch_id, "acked", time.time())
-                self.store.bump(mid, "samples_acked", len(ids))
-                self.store.bump(mid, "batches_acked")
-            self.queues[mid].remove([r["id"] for r in rows if r["state"] == "queued"])
-            return {"acked": True, "already": False, "samples": len(ids)}
+                n_replayed = self.store.set_replay_state(batch_id, "acked")
+                self._bump(mid, "samples_acked", len(ids))
+                self._bump(mid, "samples_trained", len(ids) + n_replayed)
+                self._bump(mid, "batches_acked")
+                evicted = self._add_to_replay_pool(mid, rows) if mid in self.queues else []
+            if mid in self.queues:
+                self.queues[mid].remove([r["id"] for r in rows if r["state"] == "queued"])
+            return {"acked": True, "already": False, "samples": len(ids) + n_replayed,
+                    "replay_evicted": len(evicted)}
+
+    def _add_to_replay_pool(self, model_id: str, rows) -> list[ReplayEntry]:
+        """Inside the ack's transaction: trained fresh samples become replayable (counted);
+        the pool evicts its oldest beyond ``replay.pool_size`` (counted)."""
+        if self.config.replay.ratio <= 0:
+            return []
+        pool, version = self.replay_pools[model_id], self.versions[model_id]
+        evicted: list[ReplayEntry] = []
+        added = 0
+        for r in rows:
+            if version - r["min_version"] > self.config.replay.max_staleness:
+                continue  # could never be replayed: not worth a place in the pool
+            evicted += pool.add(ReplayEntry(r["id"], r["min_version"], decode(bytes(r["blob"])),
+                                            added_version=version))
+            added += 1
+        self._bump(model_id, "replay_added", added)
+        self._bump(model_id, "replay_evicted", len(evicted))
+        return evicted
 
     def requeue_expired_batches(self, now: float | None = None) -> set[str]:
         """Put the samples of batches not acked within ``batch_ack_timeout_s`` back in their
@@ -382,8 +603,9 @@ class Dataflow:
                 with self.store.tx():
                     self.store.set_sample_state([r["id"] for r in rows], "queued")
                     self.store.set_batch_state(batch["batch_id"], "requeued")
-                    self.store.bump(mid, "batches_requeued")
-                    self.store.bump(mid, "samples_requeued", len(rows))
+                    self.store.set_replay_state(batch["batch_id"], "requeued")
+                    self._bump(mid, "batches_requeued")
+                    self._bump(mid, "samples_requeued", len(rows))
                 if mid in self.queues:
                     for r in rows:
                         self.queues[mid].push(QueueEntry(r["id"], r["min_version"],
@@ -458,9 +680,15 @@ class Dataflow:
             self.versions[mid] = manifest.version
             self.weight_index[mid].append((manifest.version, manifest.kind, now))
             dropped = self.queues[mid].drop_stale(manifest.version)
-            if dropped:
-                with self.store.tx():
-                    self._record_stale(mid, dropped)
+            replay_stale = self.replay_pools[mid].drop_stale(manifest.version)
+            if mid == self.primary:
+                for curator in self.curators:
+                    curator.on_version(manifest.version)
+            with self.store.tx():
+                self._record_stale(mid, dropped)
+                self._bump(mid, "replay_stale_dropped", len(replay_stale))
+                if mid == self.primary:
+                    self._save_plugin_state(now)
             log.info("published %s version %d (%s, %d files)", mid, manifest.version, manifest.kind,
                      len(manifest.files))
             try:
@@ -494,7 +722,7 @@ class Dataflow:
             if old:
                 with self.store.tx():
                     self.store.delete_versions(mid, old)
-                    self.store.bump(mid, "weight_versions_removed", len(old))
+                    self._bump(mid, "weight_versions_removed", len(old))
                 self.weight_index[mid] = [e for e in index if e[0] >= keep_from]
                 log.info("weight GC: removed %s versions %d..%d (keeping %d.. since a full version)",
                          mid, old[0], old[-1], keep_from)
@@ -562,6 +790,13 @@ class Dataflow:
 
     # ------------------------------------------------------------------ observation
 
+    def version_counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
+        """Counters of ``model_id`` per policy version: what happened while version v was current
+        (the rollouts it cost to train version v+1, the prompts skipped, the samples replayed)."""
+        self._model(model_id)
+        with self.lock:
+            return self.store.version_counters(model_id, since)
+
     def eval_results(self, model_id: str) -> dict[int, dict]:
         self._model(model_id)
         with self.lock:
@@ -578,7 +813,8 @@ class Dataflow:
                 c.update(counters.get(m, {}))
                 index = self.weight_index[m]
                 fulls = [v for v, kind, _ in index if kind == "full"]
-                c.update(queue_depth=len(self.queues[m]), current_version=self.versions[m],
+                c.update(queue_depth=len(self.queues[m]), replay_pool=len(self.replay_pools[m]),
+                         current_version=self.versions[m],
                          batches_outstanding=outstanding.get(m, 0),
                          weight_versions_stored=len(index),
                          weight_oldest_version=index[0][0] if index else None,
@@ -588,7 +824,9 @@ class Dataflow:
                           "capacity": r["capacity"], "last_seen": r["last_seen"],
                           "idle_s": round(now - r["last_seen"], 3), "tasks_leased": r["tasks_leased"],
                           "samples_pushed": r["samples_pushed"]} for r in self.store.instances()]
-            return {"time": now, "models": models, "instances": instances,
+            plugins = {name: {"class": type(p).__name__, "metrics": p.metrics()}
+                       for name, p in self.named_plugins().items()}
+            return {"time": now, "models": models, "instances": instances, "plugins": plugins,
                     "tasks": {"open_train": self.open_train,
                               "open_eval": self.store.count_open_tasks("eval"),
                               "source_cursor": int(self.store.get_meta("source_cursor", 0))}}

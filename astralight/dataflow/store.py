@@ -57,6 +57,15 @@ CREATE TABLE IF NOT EXISTS eval_reports (
 CREATE TABLE IF NOT EXISTS counters (
     model_id TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY(model_id, name));
+CREATE TABLE IF NOT EXISTS version_counters (
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
+    PRIMARY KEY(model_id, version, name));
+CREATE TABLE IF NOT EXISTS replays (
+    batch_id TEXT NOT NULL, sample_id INTEGER NOT NULL, state TEXT NOT NULL,
+    PRIMARY KEY(batch_id, sample_id));
+CREATE INDEX IF NOT EXISTS replays_sample ON replays(sample_id);
+CREATE TABLE IF NOT EXISTS plugin_state (
+    name TEXT PRIMARY KEY, class_path TEXT NOT NULL, state TEXT NOT NULL, saved_at REAL NOT NULL);
 """
 
 
@@ -107,12 +116,40 @@ class Store:
                           "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                           (key, json.dumps(value)))
 
-    def bump(self, model_id: str, name: str, k: int = 1) -> None:
-        """Add ``k`` to counter ``name`` of ``model_id`` (inside the caller's transaction)."""
+    def bump(self, model_id: str, name: str, k: int = 1, version: int | None = None) -> None:
+        """Add ``k`` to counter ``name`` of ``model_id`` (inside the caller's transaction); with
+        ``version``, also to that counter of the policy version current at the event."""
         if k:
             self.conn.execute("INSERT INTO counters(model_id, name, value) VALUES(?, ?, ?) "
                               "ON CONFLICT(model_id, name) DO UPDATE SET value=value+excluded.value",
                               (model_id, name, k))
+            if version is not None:
+                self.conn.execute(
+                    "INSERT INTO version_counters(model_id, version, name, value) VALUES(?, ?, ?, ?)"
+                    " ON CONFLICT(model_id, version, name) DO UPDATE SET value=value+excluded.value",
+                    (model_id, version, name, k))
+
+    def version_counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
+        """Counters of ``model_id`` per policy version (versions >= ``since``)."""
+        out: dict[int, dict[str, int]] = {}
+        for row in self.conn.execute("SELECT version, name, value FROM version_counters"
+                                     " WHERE model_id=? AND version>=? ORDER BY version",
+                                     (model_id, since)):
+            out.setdefault(row["version"], {})[row["name"]] = row["value"]
+        return out
+
+    # ------------------------------------------------------------------ plugin state
+
+    def plugin_states(self) -> dict[str, tuple[str, dict]]:
+        """``name -> (class_path, state)`` of every saved data plugin."""
+        return {r["name"]: (r["class_path"], json.loads(r["state"]))
+                for r in self.conn.execute("SELECT name, class_path, state FROM plugin_state")}
+
+    def save_plugin_state(self, name: str, class_path: str, state: dict, now: float) -> None:
+        self.conn.execute("INSERT INTO plugin_state(name, class_path, state, saved_at)"
+                          " VALUES(?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
+                          " class_path=excluded.class_path, state=excluded.state,"
+                          " saved_at=excluded.saved_at", (name, class_path, json.dumps(state), now))
 
     def counters(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -178,12 +215,38 @@ class Store:
     # ------------------------------------------------------------------ samples
 
     def insert_sample(self, task_id: str, model_id: str, sample_index: int, min_version: int,
-                      reward: float, blob: bytes, now: float) -> int:
+                      reward: float, blob: bytes, now: float, state: str = "queued") -> int:
+        """Store an accepted sample (``queued``) or one a sample filter dropped (``filtered``)."""
         cur = self.conn.execute(
             "INSERT INTO samples(task_id, model_id, sample_index, min_version, reward, state, blob,"
-            " created) VALUES(?, ?, ?, ?, ?, 'queued', ?, ?)",
-            (task_id, model_id, sample_index, min_version, reward, blob, now))
+            " created) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+            (task_id, model_id, sample_index, min_version, reward, state, blob, now))
         return int(cur.lastrowid)
+
+    def samples_by_id(self, ids: list[int]) -> list[sqlite3.Row]:
+        marks = ",".join("?" * len(ids))
+        return self.conn.execute(f"SELECT id, model_id, min_version, state, blob FROM samples"
+                                 f" WHERE id IN ({marks}) ORDER BY id", ids).fetchall() if ids else []
+
+    def replay_candidates(self, model_id: str, min_version: int, limit: int) -> list[sqlite3.Row]:
+        """The newest ``limit`` trained samples of ``model_id`` not older than ``min_version``,
+        with how often each was replayed (what a restarted service's replay pool holds)."""
+        return self.conn.execute(
+            "SELECT s.id, s.min_version, s.blob, (SELECT COUNT(*) FROM replays r WHERE"
+            " r.sample_id=s.id AND r.state IN ('served', 'acked')) AS uses FROM samples s"
+            " WHERE s.model_id=? AND s.state='acked' AND s.min_version>=? ORDER BY s.id DESC"
+            " LIMIT ?", (model_id, min_version, limit)).fetchall()
+
+    # ------------------------------------------------------------------ replays
+
+    def insert_replays(self, batch_id: str, sample_ids: list[int]) -> None:
+        self.conn.executemany("INSERT INTO replays(batch_id, sample_id, state) VALUES(?, ?, 'served')",
+                              [(batch_id, i) for i in sample_ids])
+
+    def set_replay_state(self, batch_id: str, state: str) -> int:
+        """Move a batch's replayed samples to ``state``; returns how many it had."""
+        return self.conn.execute("UPDATE replays SET state=? WHERE batch_id=?",
+                                 (state, batch_id)).rowcount
 
     def queued_samples(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT id, model_id, min_version, blob FROM samples"

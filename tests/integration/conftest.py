@@ -40,13 +40,14 @@ def dataflow_service():
     Writes ``tmp_path/dataflow-PORT.yaml`` (state_dir defaults to ``tmp_path/state``, so calling it
     again with the same ``tmp_path`` restarts on the same state), runs
     ``python -m astralight.dataflow.service --config ...`` with output in ``dataflow-PORT.log`` and
-    waits for the readiness line. ``token`` sets ASTRALIGHT_TOKEN for the service only. Every
+    waits for the readiness line. ``token`` sets ASTRALIGHT_TOKEN for the service only,
+    ``env_extra`` more environment variables (e.g. PYTHONPATH for plugins in test files). Every
     process still running at teardown gets SIGTERM (then SIGKILL).
     """
     procs: list[subprocess.Popen] = []
 
     def start(tmp_path: Path, token: str | None = None, ready_timeout: float = 60.0,
-              **overrides) -> ServiceHandle:
+              env_extra: dict | None = None, **overrides) -> ServiceHandle:
         tmp_path = Path(tmp_path)
         port = free_port()
         config = {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "state"),
@@ -57,6 +58,7 @@ def dataflow_service():
         env = {k: v for k, v in os.environ.items() if k != "ASTRALIGHT_TOKEN"}
         if token:
             env["ASTRALIGHT_TOKEN"] = token
+        env.update(env_extra or {})
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "astralight.dataflow.service", "--config", str(config_path)],

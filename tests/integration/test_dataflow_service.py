@@ -80,9 +80,9 @@ def test_expired_lease_is_reissued_once_and_the_late_push_is_a_duplicate(tmp_pat
     assert again.task_id == task.task_id and again.prompt == task.prompt
     assert again.lease_deadline > task.lease_deadline
     assert c.lease(a, 4) == []  # re-issued once, not again while B holds a valid lease
-    assert c.push(b, task.task_id, make_samples(task, [1.0, 0.0])) == {"accepted": 2,
+    assert c.push(b, task.task_id, make_samples(task, [1.0, 0.0])) == {"accepted": 2, "filtered": 0,
                                                                         "duplicate": False}
-    assert c.push(a, task.task_id, make_samples(task, [0.0, 0.0])) == {"accepted": 0,
+    assert c.push(a, task.task_id, make_samples(task, [0.0, 0.0])) == {"accepted": 0, "filtered": 0,
                                                                         "duplicate": True}
     s = model_stats(c)
     assert (s["tasks_issued"], s["tasks_reissued"]) == (1, 1)
@@ -199,7 +199,7 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(tmp_
     # nothing above was accepted, and the server still serves valid requests
     assert proc.poll() is None
     assert c.info()["model_ids"] == ["policy"]
-    assert c.push(iid, task.task_id, make_samples(task, [1.0, 0.0])) == {"accepted": 2,
+    assert c.push(iid, task.task_id, make_samples(task, [1.0, 0.0])) == {"accepted": 2, "filtered": 0,
                                                                         "duplicate": False}
     assert model_stats(c)["samples_accepted"] == 2
     http.close()

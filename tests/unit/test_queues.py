@@ -1,11 +1,14 @@
-"""Fresh queues: FIFO and EDF order, staleness drops returned for counting, exactly-size batches."""
+"""Fresh queues: FIFO and EDF order, composed and custom orders, staleness drops returned for
+counting, exactly-size batches."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from astralight.dataflow.queues import FreshQueue, QueueEntry
+from astralight.dataflow.queues import Edf, Fifo, FreshQueue, QueueEntry, QueueOrder
 from astralight.protocol import Sample
 
 
@@ -96,3 +99,45 @@ def test_remove_and_bad_arguments():
         FreshQueue("lifo")
     with pytest.raises(ValueError, match="max_staleness"):
         FreshQueue("fifo", -1)
+
+
+class NewestFirst(QueueOrder):
+    """A custom order: the newest behaviour version first (a plugin a user could write)."""
+
+    def key(self, e: QueueEntry) -> tuple:
+        return (-e.min_version,)
+
+
+def test_orders_compose_lexicographically_and_custom_orders_plug_in():
+    q = FreshQueue([NewestFirst(), Fifo()], max_staleness=10)
+    for sid, v in [(1, 3), (2, 0), (3, 3), (4, 1)]:
+        q.push(entry(sid, v))
+    assert q.peek_order() == [1, 3, 4, 2]
+    q = FreshQueue([Edf(), NewestFirst()], max_staleness=10)  # first key decides, ties by ingest
+    for sid, v in [(1, 3), (2, 0), (3, 3), (4, 0)]:
+        q.push(entry(sid, v))
+    assert q.peek_order() == [2, 4, 1, 3]
+    with pytest.raises(ValueError, match="queue_order"):
+        FreshQueue([], max_staleness=1)
+    with pytest.raises(ValueError, match="queue_order"):
+        FreshQueue("lifo", max_staleness=1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 4)), min_size=1, max_size=40),
+       st.integers(0, 3))
+def test_edf_never_serves_beyond_max_staleness(ops, max_staleness):
+    """Random ingest/version/take sequences: every served entry is within max_staleness."""
+    q = FreshQueue("edf", max_staleness=max_staleness)
+    version, sid = 0, 0
+    for gen_back, size in ops:
+        sid += 1
+        q.push(entry(sid, max(0, version - gen_back % (max_staleness + 3))))
+        if sid % 3 == 0:
+            version += 1
+        batch, dropped = q.take(size, current_version=version)
+        assert all(version - e.min_version > max_staleness for e in dropped)
+        for e in batch or []:
+            assert version - e.min_version <= max_staleness
+        if batch:
+            assert [e.min_version for e in batch] == sorted(e.min_version for e in batch)

@@ -1,0 +1,139 @@
+"""The dataflow core with data plugins, in process on a real SQLite file: config checks, the
+curator safety valve, per-policy queue orders, replay-pool and plugin-state restore."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+import pytest
+import yaml
+
+from astralight.dataflow.config import DataflowConfig, build_plugins, parse_config
+from astralight.dataflow.core import Dataflow
+from astralight.dataflow.curators import GRESO, PromptCurator
+from astralight.dataflow.queues import Edf, Fifo
+from astralight.protocol import Sample, WeightManifest
+
+
+class RejectAll(PromptCurator):
+    """Rejects every prompt: only the service's safety valve lets tasks through."""
+
+    def should_submit(self, prompt, version: int) -> bool:
+        return False
+
+
+def samples(task, rewards, model_id="policy", version=0) -> list[Sample]:
+    return [Sample(task_id=task.task_id, sample_index=i, model_id=model_id,
+                   token_ids=np.array([1, 2, 3], np.int32), logprobs=np.array([0, -1, -1], np.float32),
+                   loss_mask=np.array([0, 1, 1], np.uint8),
+                   versions=np.array([-1, version, version], np.int32), reward=float(r))
+            for i, r in enumerate(rewards)]
+
+
+def publish(flow: Dataflow, version: int, model_id: str = "policy") -> None:
+    """Publish a one-file full version the way the upload route does (tmp file, commit)."""
+    data = b"w%d" % version
+    final = flow.weights.path(model_id, version, "model.safetensors")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / ".upload.tmp"
+    tmp.write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    flow.commit_upload(tmp, model_id, version, "model.safetensors", digest)
+    flow.publish(WeightManifest(model_id=model_id, version=version, kind="full",
+                                files={"model.safetensors": {"sha256": digest}}))
+
+
+def make(tmp_path, **kw) -> Dataflow:
+    return Dataflow(DataflowConfig(state_dir=str(tmp_path / "state"), group_size=2, **kw))
+
+
+def test_bad_plugin_config_names_the_field():
+    with pytest.raises(ValueError, match=r"curators\[0\].*gresoo"):
+        DataflowConfig(curators=["gresoo"])
+    with pytest.raises(ValueError, match=r"replay\.ratio"):
+        DataflowConfig(replay={"ratio": 1.0})
+    with pytest.raises(ValueError, match=r"queue_order.*\['verifier'\]"):
+        DataflowConfig(model_ids=["solver"], queue_order={"verifier": "edf"})
+    with pytest.raises(ValueError, match=r"sample_filters\[1\]"):
+        DataflowConfig(sample_filters=["zero_advantage", {"init_args": {}}])
+    cfg = DataflowConfig(curators=[{"class_path": "greso", "init_args": {"p_easy": 7}}])
+    with pytest.raises(ValueError, match=r"curators\[0\].*p_easy"):
+        build_plugins(cfg)
+
+
+def test_yaml_config_with_every_plugin_kind_parses(tmp_path):
+    path = tmp_path / "dataflow.yaml"
+    path.write_text(yaml.safe_dump({
+        "model_ids": ["solver", "verifier"],
+        "queue_order": {"solver": ["edf", "fifo"]},
+        "curators": [{"class_path": "greso", "init_args": {"p_easy": 0.6}}, "filter_solved"],
+        "sample_filters": ["zero_advantage", {"class_path": "length",
+                                              "init_args": {"max_completion_tokens": 8}}],
+        "replay": {"ratio": 0.3, "selectors": ["high_variance", "uniform"]}}))
+    cfg = parse_config(["--config", str(path)])
+    plugins = build_plugins(cfg)
+    assert isinstance(plugins["curators"][0], GRESO) and plugins["curators"][0].metrics()["p_easy"] == 0.6
+    assert [type(o) for o in plugins["queue_order"]["solver"]] == [Edf, Fifo]
+    assert [type(o) for o in plugins["queue_order"]["verifier"]] == [Fifo]
+    assert [type(s).__name__ for s in plugins["replay.selectors"]] == ["HighVariance", "Uniform"]
+
+
+def test_safety_valve_forces_a_prompt_after_max_skips(tmp_path):
+    flow = make(tmp_path, curator_max_skips=5,
+                curators=[{"class_path": f"{__name__}.RejectAll"}])
+    iid = flow.register(["policy"], 4, None, {})["instance_id"]
+    tasks = flow.lease(iid, 3)
+    assert len(tasks) == 3
+    s = flow.stats()["models"]["policy"]
+    assert (s["prompts_skipped"], s["prompts_forced"], s["prompts_submitted"]) == (15, 3, 3)
+    # the source moved past every skipped prompt: task ids are the source positions
+    assert [t.task_id for t in tasks] == ["train:5", "train:11", "train:17"]
+    flow.close()
+
+
+def test_plugin_state_and_replay_pool_come_back_after_restart(tmp_path, caplog):
+    cfg = dict(curators=["greso"], replay={"ratio": 0.5, "pool_size": 8, "max_staleness": 4},
+               max_staleness=4)
+    flow = make(tmp_path, **cfg)
+    iid = flow.register(["policy"], 8, None, {})["instance_id"]
+    for t in flow.lease(iid, 4):
+        flow.push(iid, t.task_id, samples(t, [1, 1]))
+    for t in flow.lease(iid, 2):
+        flow.push(iid, t.task_id, samples(t, [1, 0]))
+    batch = flow.pull("policy", 4)
+    flow.ack(batch.batch_id)
+    assert len(flow.replay_pools["policy"]) == 4
+    publish(flow, 1)
+    greso = flow.curators[0]
+    state, rng_state = greso.state_dict(), greso.rng.bit_generator.state
+    flow.close()
+
+    again = make(tmp_path, **cfg)
+    assert again.curators[0].state_dict() == state
+    assert again.curators[0].rng.bit_generator.state == rng_state
+    assert [e.sample_id for e in again.replay_pools["policy"].entries()] == \
+        [e.sample_id for e in flow.replay_pools["policy"].entries()]
+    again.close()
+
+    # a config naming another class for the same place starts it fresh, with a warning
+    with caplog.at_level(logging.WARNING, logger="astralight.dataflow"):
+        third = make(tmp_path, **{**cfg, "curators": ["filter_solved"]})
+    assert "starting it fresh" in caplog.text
+    assert third.curators[0].state_dict() == {"ewma": {}}
+    third.close()
+
+
+def test_filtered_groups_are_stored_counted_and_outcomes_reach_curators(tmp_path):
+    flow = make(tmp_path, curators=["greso"], sample_filters=["zero_advantage"])
+    iid = flow.register(["policy"], 8, None, {})["instance_id"]
+    t1, t2 = flow.lease(iid, 2)
+    assert flow.push(iid, t1.task_id, samples(t1, [1, 1]))["filtered"] == 2
+    assert flow.push(iid, t2.task_id, samples(t2, [0, 1]))["accepted"] == 2
+    rows = flow.store.conn.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall()
+    assert dict((r[0], r[1]) for r in rows) == {"filtered": 2, "queued": 2}
+    assert flow.curators[0].metrics()["easy_streaks"] == 1  # the filtered group still taught GRESO
+    per_version = flow.version_counters("policy")
+    assert per_version[0]["rollouts_generated"] == 4 and per_version[0]["groups_filtered"] == 1
+    flow.close()
