@@ -9,6 +9,10 @@ checkpoints and the dataflow's SQLite state.
 
 Recipe placeholders, substituted in every string value: ``{run_dir}``, ``{dataflow_url}``,
 ``{init_model}`` (what the ``prepare`` step built), ``{seed}``.
+
+Recipe inheritance: ``extends: PATH`` (relative to the recipe's own folder) names a parent recipe;
+the child is deep-merged onto it (mappings merge key by key, anything else, lists included,
+replaces), so a variant states only what it changes (``configs/toy/algorithms/*.yaml``).
 """
 
 from __future__ import annotations
@@ -112,14 +116,62 @@ def _substitute(obj: Any, values: dict[str, str]) -> Any:
     return obj
 
 
-def load_recipe(path: Path) -> dict:
-    """Read and check a recipe; every problem is reported with the key that holds it."""
+def deep_merge(parent: Any, child: Any) -> Any:
+    """``child`` laid over ``parent``: mappings merge key by key, anything else replaces.
+
+    Lists replace rather than concatenate, so a variant can shorten a list as well as extend it.
+    Neither input is modified.
+    """
+    if isinstance(parent, dict) and isinstance(child, dict):
+        out = copy.deepcopy(parent)
+        for key, value in child.items():
+            out[key] = deep_merge(parent[key], value) if key in parent else copy.deepcopy(value)
+        return out
+    return copy.deepcopy(child)
+
+
+def _read_recipe_file(path: Path) -> dict:
     try:
-        recipe = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise RecipeError(f"recipe: cannot read {path}: {exc}") from None
-    if not isinstance(recipe, dict):
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe: {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
         raise RecipeError(f"recipe: {path} must hold a mapping")
+    return data
+
+
+def resolve_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe and the chain of recipes it ``extends``, merged, without ``extends``.
+
+    ``extends`` is relative to the folder of the file that says it. A missing parent or a cycle
+    raises RecipeError naming ``recipe.extends`` and the file.
+    """
+    path = Path(path)
+    resolved = path.resolve()
+    if resolved in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
+        raise RecipeError(f"recipe.extends: cycle of recipes {cycle}; remove one of the extends")
+    recipe = _read_recipe_file(path)
+    parent_ref = recipe.pop("extends", None)
+    if parent_ref is None:
+        return recipe
+    if not isinstance(parent_ref, str) or not parent_ref:
+        raise RecipeError(f"recipe.extends: in {path} must be a path (relative to {path.parent}), "
+                          f"got {parent_ref!r}")
+    parent_path = Path(parent_ref)
+    if not parent_path.is_absolute():
+        parent_path = resolved.parent / parent_path
+    if not parent_path.is_file():
+        raise RecipeError(f"recipe.extends: {parent_ref!r} in {path} names {parent_path}, "
+                          f"which does not exist (the path is relative to the recipe's folder)")
+    return deep_merge(resolve_recipe(parent_path, (*_chain, resolved)), recipe)
+
+
+def load_recipe(path: Path) -> dict:
+    """Read and check a recipe (its ``extends`` chain merged); every problem names its key."""
+    recipe = resolve_recipe(Path(path))
     for key in ("dataflow", "raas", "trainers", "stop"):
         if key not in recipe:
             raise RecipeError(f"recipe.{key}: missing in {path}")
@@ -128,6 +180,10 @@ def load_recipe(path: Path) -> dict:
     if not isinstance(recipe["trainers"], list) or not recipe["trainers"]:
         raise RecipeError("recipe.trainers: must be a non-empty list of trainer configs")
     stop = recipe["stop"]
+    if not isinstance(stop, dict):
+        raise RecipeError("recipe.stop: must be a mapping with at least `versions`")
+    if not isinstance(recipe["dataflow"], dict):
+        raise RecipeError("recipe.dataflow: must be a mapping (the dataflow service's config)")
     if not isinstance(stop.get("versions"), int) or stop["versions"] < 1:
         raise RecipeError("recipe.stop.versions: must be a positive int (trainer versions to run)")
     every = (recipe["dataflow"].get("eval") or {}).get("every")
@@ -139,7 +195,7 @@ def load_recipe(path: Path) -> dict:
     return recipe
 
 
-def _prepare(recipe: dict, run_dir: Path) -> str:
+def prepare_initial_model(recipe: dict, run_dir: Path) -> str:
     """Run the recipe's ``prepare`` step (e.g. build the warm-started toy policy) once per run dir."""
     prep = recipe.get("prepare")
     if not prep:
@@ -198,6 +254,21 @@ def _eval_table(url: str, model_id: str) -> dict[int, dict]:
     return {int(k): v for k, v in table.items()}
 
 
+def _per_version_counters(url: str, model_id: str) -> dict | None:
+    """The dataflow's counters per version of ``model_id`` (``{"<v>": {name: int}}``), or None.
+
+    None when the route is missing or fails: the summary says "not known" rather than failing a
+    run that has otherwise finished.
+    """
+    try:
+        table = _get_json(f"{url}/v1/counters/{model_id}")
+    except Exception as exc:
+        print(f"[launch] per-version counters not available ({exc})", flush=True)
+        return None
+    versions = table.get("versions") if isinstance(table, dict) else None
+    return versions if isinstance(versions, dict) else None
+
+
 def _policy_stats(stats: dict, model_id: str) -> dict:
     return (stats.get("models") or {}).get(model_id, {})
 
@@ -212,11 +283,43 @@ def _progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, di
         first, last = evals[done[0]], evals[done[-1]]
         eval_text = (f" | eval v{done[0]} {100 * first['avg_at_k']:.1f}%"
                      f" -> v{done[-1]} {100 * last['avg_at_k']:.1f}%")
+    trained = pol.get("samples_trained", pol.get("samples_acked", 0))
+    rollouts = pol.get("rollouts_generated")
+    rollout_text = f" | rollouts {rollouts}" if rollouts is not None else ""
     return (f"[{elapsed:6.0f}s] version {version}/{target}"
-            f" | trained {pol.get('samples_acked', 0)}"
+            f" | trained {trained}{rollout_text}"
             f" | accepted {pol.get('samples_accepted', 0)}"
             f" | queued {pol.get('queue_depth', 0)}"
             f" | stale {pol.get('stale_dropped', 0)}{eval_text}")
+
+
+def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None, model_id: str,
+                  target: int) -> dict:
+    """The run's summary (without ``wall_s`` / ``run_dir``) from the dataflow's last word.
+
+    ``samples_trained`` counts fresh and replayed samples in acknowledged batches (what the
+    trainer stepped on); ``rollouts_generated`` counts train samples the rollout services
+    produced, before any filter (the rollout cost); ``counters`` is the policy's whole stats entry;
+    ``per_version`` its counters per version (``{"<v>": {name: int}}``, None when unknown).
+    """
+    complete = sorted(v for v, r in evals.items() if r.get("complete"))
+    pol = _policy_stats(stats, model_id)
+    final = evals[target] if target in complete else None
+    return {
+        "eval_accuracy_start": evals[complete[0]]["avg_at_k"] if complete else None,
+        "eval_accuracy_end": final["avg_at_k"] if final else None,
+        "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
+        "eval_versions": complete,
+        "eval": {v: {key: evals[v].get(key) for key in
+                     ("avg_at_k", "pass_at_k", "k", "n_prompts", "min_version", "max_version")}
+                 for v in complete},
+        "versions": pol.get("current_version"),
+        "samples_trained": pol.get("samples_trained"),
+        "rollouts_generated": pol.get("rollouts_generated"),
+        "counters": pol,
+        "plugins": stats.get("plugins"),
+        "per_version": per_version,
+    }
 
 
 def _affinity(spec: dict) -> dict[str, list[int]]:
@@ -290,7 +393,7 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
 
     # The recipe's prepare step may itself use the placeholders (e.g. a cache under run_dir).
     recipe = _substitute(recipe, {"run_dir": run_dir, "seed": seed, "dataflow_url": url})
-    init_model = _prepare(recipe, run_dir)
+    init_model = prepare_initial_model(recipe, run_dir)
     recipe = _substitute(recipe, {"init_model": init_model})
     stop = recipe["stop"]
     model_id = stop.get("model_id", "policy")
@@ -339,21 +442,14 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
                     final_eval_deadline = now + float(stop.get("final_eval_timeout_s", 300))
                 if evals.get(target, {}).get("complete") or now > final_eval_deadline:
                     break
-        complete = sorted(v for v, r in evals.items() if r.get("complete"))
-        pol = _policy_stats(stats, model_id)
-        summary = {
-            "eval_accuracy_start": evals[complete[0]]["avg_at_k"] if complete else None,
-            "eval_accuracy_end": evals[target]["avg_at_k"] if target in complete else None,
-            "eval_pass_at_k_end": evals[target].get("pass_at_k") if target in complete else None,
-            "eval_versions": complete,
-            "eval": {v: {key: evals[v].get(key) for key in
-                         ("avg_at_k", "pass_at_k", "k", "n_prompts", "min_version", "max_version")}
-                     for v in complete},
-            "versions": pol.get("current_version"),
-            "samples_trained": pol.get("samples_acked"),
-            "wall_s": round(time.time() - t_start, 1),
-            "run_dir": str(run_dir),
-        }
+        # The last word of the dataflow, read while every component still runs.
+        try:
+            stats = _get_json(f"{url}/v1/stats")
+        except Exception:
+            pass  # keep the last poll's stats
+        per_version = _per_version_counters(url, model_id)
+        summary = build_summary(stats, evals, per_version, model_id, target)
+        summary.update(wall_s=round(time.time() - t_start, 1), run_dir=str(run_dir))
     except KeyboardInterrupt:
         interrupted = True
         print("\n[launch] interrupted: stopping components", flush=True)

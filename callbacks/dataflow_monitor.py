@@ -5,11 +5,19 @@ queue depth); the trainer only sees the batches it is served. This callback poll
 every ``every_n_steps`` optimizer steps and logs what it reports, so one TensorBoard shows the
 whole run: ``eval/avg_at_k`` and ``eval/pass_at_k`` at the step where each evaluated version was
 published, and ``dataflow/*`` counters at the current step.
+
+The data algorithms (prompt curators, sample filters, replay) run in the dataflow, so their cost
+and effect are visible only there: ``dataflow/rollouts_generated`` (the rollout cost),
+``dataflow/prompts_skipped``, ``dataflow/groups_filtered``, ``dataflow/replay_served``, ... and each
+plugin's own gauges as ``dataflow/plugins/<slot>_<Class>/<metric>`` (e.g.
+``dataflow/plugins/curators_0_GRESO/p_easy``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 
 import lightning.pytorch as pl
@@ -21,6 +29,51 @@ log = logging.getLogger(__name__)
 #: dataflow counters worth a curve; the stats route has more
 STAT_KEYS = ("samples_accepted", "stale_dropped", "samples_acked", "duplicates_ignored",
              "tasks_reissued", "queue_depth", "current_version")
+#: counters of the data algorithms (curators, sample filters, replay); logged when reported
+DATA_ALGORITHM_KEYS = ("rollouts_generated", "prompts_submitted", "prompts_skipped",
+                       "prompts_forced", "groups_filtered", "samples_filtered", "samples_served",
+                       "replay_added", "replay_served", "replay_evicted", "replay_stale_dropped",
+                       "replay_exhausted", "replay_pool", "samples_trained")
+
+_TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+def _tag(text: str) -> str:
+    """A TensorBoard-friendly tag part: ``curators[0]`` -> ``curators_0``."""
+    return _TAG_UNSAFE.sub("_", str(text)).strip("_") or "_"
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def stat_metrics(model_stats: dict) -> dict[str, float]:
+    """``dataflow/<counter>`` for every known counter the stats route reports as a number."""
+    out = {}
+    for key in STAT_KEYS + DATA_ALGORITHM_KEYS:
+        value = _number(model_stats.get(key))
+        if value is not None:
+            out[f"dataflow/{key}"] = value
+    return out
+
+
+def plugin_metrics(plugins: dict | None) -> dict[str, float]:
+    """``dataflow/plugins/<slot>_<Class>/<metric>`` for each numeric plugin gauge.
+
+    ``plugins`` is the stats route's ``{"curators[0]": {"class": "GRESO", "metrics": {...}}}``.
+    """
+    out = {}
+    for slot, info in (plugins or {}).items():
+        if not isinstance(info, dict):
+            continue
+        name = _tag(slot) + (f"_{_tag(info['class'])}" if info.get("class") else "")
+        for metric, value in (info.get("metrics") or {}).items():
+            value = _number(value)
+            if value is not None:
+                out[f"dataflow/plugins/{name}/{_tag(metric)}"] = value
+    return out
 
 
 class DataflowMonitor(LazyDataflowClient, pl.Callback):
@@ -81,7 +134,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         client = self.client
         try:
             evals = client.eval_results(self.model_id)
-            stats = client.stats().get("models", {}).get(self.model_id, {})
+            all_stats = client.stats()
         except Exception as exc:  # monitoring must never stop training
             log.warning("DataflowMonitor: dataflow not reachable (%s)", exc)
             return {}
@@ -94,9 +147,10 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
                      "eval/pass_at_k": float(result["pass_at_k"]),
                      "eval/version": float(version)},
                     step=version * self.steps_per_version)
-        trainer.logger.log_metrics(
-            {f"dataflow/{k}": float(stats[k]) for k in STAT_KEYS if k in stats},
-            step=trainer.global_step)
+        stats = (all_stats.get("models") or {}).get(self.model_id, {})
+        metrics = {**stat_metrics(stats), **plugin_metrics(all_stats.get("plugins"))}
+        if metrics:
+            trainer.logger.log_metrics(metrics, step=trainer.global_step)
         return evals
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -83,3 +83,161 @@ def test_exported_trainer_config_parses_with_lightning_cli(tmp_path):
     printed = yaml.safe_load(out.stdout)
     assert printed["model"]["class_path"] == "astralight.policy.M2POPolicy"
     assert printed["trainer"]["max_steps"] == yaml.safe_load(_default_recipe().read_text())["stop"]["versions"]
+
+
+# ---------------------------------------------------------------------- recipe inheritance
+
+
+def test_deep_merge_merges_mappings_and_replaces_everything_else():
+    from astralight.launch import deep_merge
+
+    parent = {"a": {"x": 1, "y": {"p": 1, "q": 2}}, "l": [1, 2, 3], "s": "old", "keep": True}
+    child = {"a": {"y": {"q": 20, "r": 30}, "z": 3}, "l": [9], "s": {"now": "a mapping"}}
+    assert deep_merge(parent, child) == {
+        "a": {"x": 1, "y": {"p": 1, "q": 20, "r": 30}, "z": 3},
+        "l": [9], "s": {"now": "a mapping"}, "keep": True}
+    assert parent["a"]["y"] == {"p": 1, "q": 2}  # inputs untouched
+
+
+def test_extends_chain_relative_to_each_file(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "mid").mkdir()
+    recipe = toy()
+    recipe["stop"]["versions"] = 20
+    (tmp_path / "base" / "toy.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "mid" / "mid.yaml").write_text(yaml.safe_dump(
+        {"extends": "../base/toy.yaml", "name": "mid", "dataflow": {"group_size": 4}}))
+    (tmp_path / "leaf.yaml").write_text(yaml.safe_dump(
+        {"extends": "mid/mid.yaml", "dataflow": {"sample_filters": ["zero_advantage"]},
+         "stop": {"versions": 30}}))
+    merged = load_recipe(tmp_path / "leaf.yaml")
+    assert "extends" not in merged
+    assert merged["name"] == "mid"
+    assert merged["dataflow"]["group_size"] == 4
+    assert merged["dataflow"]["sample_filters"] == ["zero_advantage"]
+    assert merged["dataflow"]["source"] == recipe["dataflow"]["source"]  # inherited untouched
+    assert merged["stop"]["versions"] == 30
+    assert merged["stop"]["timeout_s"] == recipe["stop"]["timeout_s"]
+    assert merged["trainers"] == recipe["trainers"]
+
+
+def test_extends_checks_run_on_the_merged_recipe(tmp_path):
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy()))
+    # the child alone lacks every section, merged it is complete: valid
+    (tmp_path / "ok.yaml").write_text(yaml.safe_dump({"extends": "toy.yaml"}))
+    assert load_recipe(tmp_path / "ok.yaml")["stop"]["versions"] == toy()["stop"]["versions"]
+    # a child that breaks a rule against its parent's values is caught
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"extends": "toy.yaml", "stop": {"versions": 7}}))
+    with pytest.raises(RecipeError, match="multiple of dataflow.eval.every"):
+        load_recipe(tmp_path / "bad.yaml")
+
+
+def test_extends_missing_file_is_named(tmp_path):
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"extends": "nowhere/base.yaml"}))
+    with pytest.raises(RecipeError, match=r"recipe\.extends.*nowhere/base\.yaml"):
+        load_recipe(tmp_path / "r.yaml")
+
+
+def test_extends_cycle_is_named(tmp_path):
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"extends": "b.yaml", "name": "a"}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"extends": "./a.yaml"}))
+    with pytest.raises(RecipeError, match=r"recipe\.extends: cycle.*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_recipe(tmp_path / "a.yaml")
+    (tmp_path / "self.yaml").write_text(yaml.safe_dump({"extends": "self.yaml"}))
+    with pytest.raises(RecipeError, match=r"recipe\.extends: cycle"):
+        load_recipe(tmp_path / "self.yaml")
+
+
+def test_extends_must_be_a_path(tmp_path):
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"extends": ["a.yaml"]}))
+    with pytest.raises(RecipeError, match=r"recipe\.extends"):
+        load_recipe(tmp_path / "r.yaml")
+
+
+def test_export_configs_of_an_extending_recipe(tmp_path):
+    """`astralight run --export-configs` writes the merged components' configs."""
+    from astralight.launch import main
+
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(toy()))
+    (tmp_path / "child.yaml").write_text(yaml.safe_dump(
+        {"extends": "toy.yaml", "dataflow": {"group_size": 4, "replay": {"ratio": 0.5}}}))
+    assert main([str(tmp_path / "child.yaml"), "--export-configs", str(tmp_path / "out")]) == 0
+    dataflow = yaml.safe_load((tmp_path / "out" / "dataflow.yaml").read_text())
+    assert dataflow["group_size"] == 4 and dataflow["replay"] == {"ratio": 0.5}
+    assert dataflow["source"] == toy()["dataflow"]["source"]
+    assert "extends" not in dataflow
+    assert (tmp_path / "out" / "trainer.yaml").exists() and (tmp_path / "out" / "raas.yaml").exists()
+
+
+# ---------------------------------------------------------------------- run summary
+
+
+def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
+    from astralight.launch import build_summary
+
+    pol = {"current_version": 4, "samples_acked": 64, "samples_trained": 96,
+           "rollouts_generated": 160, "groups_filtered": 3}
+    stats = {"models": {"policy": pol, "other": {"rollouts_generated": 1}},
+             "plugins": {"curators[0]": {"class": "GRESO", "metrics": {"p_easy": 0.5}}}}
+    evals = {0: {"complete": True, "avg_at_k": 0.25, "pass_at_k": 0.5},
+             2: {"complete": True, "avg_at_k": 0.5}, 4: {"complete": True, "avg_at_k": 0.75}}
+    per_version = {"0": {"rollouts_generated": 64}, "1": {"rollouts_generated": 96}}
+    out = build_summary(stats, evals, per_version, "policy", target=4)
+    assert out["samples_trained"] == 96  # fresh + replayed, not samples_acked
+    assert out["rollouts_generated"] == 160
+    assert out["counters"] == pol
+    assert out["plugins"] == stats["plugins"]
+    assert out["per_version"] == per_version
+    assert out["eval_accuracy_start"] == 0.25 and out["eval_accuracy_end"] == 0.75
+    assert out["eval_versions"] == [0, 2, 4] and out["versions"] == 4
+
+
+def test_summary_when_the_final_eval_or_counters_are_missing():
+    from astralight.launch import build_summary
+
+    out = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.25}}, None, "policy", 4)
+    assert out["eval_accuracy_end"] is None and out["per_version"] is None
+    assert out["plugins"] is None and out["rollouts_generated"] is None and out["counters"] == {}
+
+
+def test_per_version_counters_route_failure_is_null(capsys):
+    from astralight.launch import _free_port, _per_version_counters
+
+    # nothing listens there: recorded as null, the run goes on
+    assert _per_version_counters(f"http://127.0.0.1:{_free_port()}", "policy") is None
+    assert "per-version counters not available" in capsys.readouterr().out
+
+
+def test_per_version_counters_reads_the_route():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from astralight.launch import _per_version_counters
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            body = json.dumps({"model_id": "policy",
+                               "versions": {"0": {"rollouts_generated": 64}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _per_version_counters(url, "policy") == {"0": {"rollouts_generated": 64}}
+        assert seen == ["/v1/counters/policy"]
+    finally:
+        server.shutdown()
+        server.server_close()
