@@ -96,6 +96,13 @@ def _opt(d: dict, key: str, types: type | tuple, where: str, default: Any) -> An
 # ----------------------------------------------------------------------------- messages
 
 
+def _min_versions(d: dict, where: str) -> dict:
+    for k, v in d.items():
+        if not isinstance(k, str) or not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ProtocolError(f"{where}.min_versions", "must map model_id -> version >= 0")
+    return dict(d)
+
+
 @dataclass
 class Task:
     """One unit of rollout work leased to a RaaS: a prompt and how many samples to draw.
@@ -103,7 +110,8 @@ class Task:
     ``prompt`` is text (or chat messages); the RaaS tokenizes it with its engine's tokenizer,
     and from then on only token ids travel. ``metadata`` carries what the reward needs (e.g. the
     reference answer). ``kind`` is ``train`` or ``eval``; eval tasks are scheduled by the dataflow
-    for a given policy ``version`` and are never trained on.
+    for a given policy ``version`` and are never trained on. ``min_versions`` (synchronous mode)
+    names, per model_id, the policy version a RaaS must hold before it runs the task.
     """
 
     task_id: str
@@ -115,6 +123,7 @@ class Task:
     eval_version: int | None = None
     metadata: dict = field(default_factory=dict)
     lease_deadline: float = 0.0
+    min_versions: dict = field(default_factory=dict)
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,6 +151,7 @@ class Task:
             eval_version=_opt(d, "eval_version", int, where, None),
             metadata=_opt(d, "metadata", dict, where, {}),
             lease_deadline=float(_opt(d, "lease_deadline", (int, float), where, 0.0)),
+            min_versions=_min_versions(_opt(d, "min_versions", dict, where, {}), where),
         )
 
 

@@ -163,7 +163,7 @@ class RaaSService:
                       skipped, name)
         if not runnable:
             return 0
-        self._catch_up_for_evals(runnable)
+        self._catch_up(runnable)
         start = time.perf_counter()
         try:
             results = wf.run(runnable, self.engines)
@@ -230,18 +230,26 @@ class RaaSService:
                 self._push_clients.append(client)
         return client
 
-    def _catch_up_for_evals(self, tasks: list) -> None:
-        """An eval task of version v is scheduled when v is published, possibly before this RaaS
-        has loaded v: load it now, so the eval measures the version it is named after."""
+    def _catch_up(self, tasks: list) -> None:
+        """Load the versions the tasks ask for before running them.
+
+        An eval task of version v is scheduled when v is published, possibly before this RaaS
+        has loaded v: load it now, so the eval measures the version it is named after. A task of
+        the synchronous mode names ``min_versions``: the round's samples must come from exactly
+        the version the trainers just published.
+        """
         want: dict[str, int] = {}
         for t in tasks:
             if t.kind == "eval" and t.eval_version is not None and t.model_ids[0] in self.syncs:
                 want[t.model_ids[0]] = max(want.get(t.model_ids[0], -1), t.eval_version)
+            for mid, version in (t.min_versions or {}).items():
+                if mid in self.syncs:
+                    want[mid] = max(want.get(mid, -1), int(version))
         for mid, version in want.items():
             if self.engines[mid].version < version:
                 self.syncs[mid].refresh(force=True)
                 if self.engines[mid].version < version:
-                    log.warning("eval of %s v%d runs on v%d: that version could not be loaded",
+                    log.warning("tasks for %s v%d run on v%d: that version could not be loaded",
                                 mid, version, self.engines[mid].version)
 
     def serve(self) -> int:

@@ -304,8 +304,32 @@ class Dataflow:
         cfg = self.config
         if open_train >= cfg.max_inflight_tasks:
             return False
+        if cfg.mode == "sync":
+            return self._round_needs_tasks(open_train)
         expected = open_train * cfg.group_size
         return any(len(q) + expected < cfg.max_buffered_samples for q in self.queues.values())
+
+    def _round(self) -> int | None:
+        """Sync mode: the current round (the version every policy has published), or None while
+        some trainer is still training the previous round."""
+        versions = set(self.versions.values())
+        return versions.pop() if len(versions) == 1 else None
+
+    def _round_needs_tasks(self, open_train: int) -> bool:  # noqa: ARG002 (same signature)
+        """Sync mode: does some policy still lack samples of this round, counting what the
+        round's open tasks will deliver?"""
+        rnd = self._round()
+        if rnd is None:
+            return False
+        open_round = sum(1 for r in self.store.open_task_payloads("train")  # incl. this call's
+                         if decode(bytes(r["payload"])).min_versions.get(self.primary) == rnd)
+        expected = open_round * self.config.group_size
+        for m in self.model_ids:  # samples_accepted at version rnd: this round's (older: dropped)
+            accepted = self.store.version_counters(m, since=rnd).get(rnd, {}).get(
+                "samples_accepted", 0)
+            if accepted + expected < self.config.sync_batch_size:
+                return True
+        return False
 
     def _create_train_task(self, now: float):
         """Draw the next prompt the curators accept and store it as a train task.
@@ -334,6 +358,8 @@ class Dataflow:
         task = Task(task_id=f"train:{cursor}", prompt=prompt.prompt, n=self.config.group_size,
                     model_ids=list(self.model_ids), workflow=self.config.workflow, kind="train",
                     metadata=dict(prompt.metadata))
+        if self.config.mode == "sync":
+            task.min_versions = dict(self.versions)
         self.store.insert_task(task.task_id, "train", task.model_ids, encode(task), now,
                                prompt_index=cursor)
         self.store.set_meta("source_cursor", cursor + 1)
@@ -381,18 +407,20 @@ class Dataflow:
                 else:
                     kept, outcome = self._filter_groups(row, samples)
                     counts: Counter = Counter()
+                    sync = self.config.mode == "sync"
                     for s in samples:
                         mv = s.min_version
-                        keep = id(s) in kept
-                        sid = self.store.insert_sample(task_id, s.model_id, s.sample_index, mv,
-                                                       s.reward, encode(s), now,
-                                                       state="queued" if keep else "filtered")
-                        counts[s.model_id, "rollouts_generated"] += 1
-                        if keep:
-                            entries.append(QueueEntry(sid, mv, s))
-                            counts[s.model_id, "samples_accepted"] += 1
+                        if sync and mv < self.versions[s.model_id]:
+                            state = "stale"  # an older round's sample: never trained in sync mode
                         else:
-                            counts[s.model_id, "samples_filtered"] += 1
+                            state = "queued" if id(s) in kept else "filtered"
+                        sid = self.store.insert_sample(task_id, s.model_id, s.sample_index, mv,
+                                                       s.reward, encode(s), now, state=state)
+                        counts[s.model_id, "rollouts_generated"] += 1
+                        if state == "queued":
+                            entries.append(QueueEntry(sid, mv, s))
+                        counts[s.model_id, {"queued": "samples_accepted", "stale": "stale_dropped",
+                                            "filtered": "samples_filtered"}[state]] += 1
                     for m, group_kept in outcome.kept.items():
                         counts[m, "groups_filtered"] += not group_kept
                     for (m, name), k in counts.items():
@@ -833,10 +861,14 @@ class Dataflow:
 
 
 def _group_stats(samples: list[Sample]) -> None:
-    """Group-normalised advantages per model_id within one task: (r - mean) / (std + eps)."""
-    groups: dict[str, list[Sample]] = defaultdict(list)
+    """Group-normalised advantages per (model_id, role) within one task: (r - mean) / (std + eps).
+
+    One policy may play several roles in a workflow (a self-verifying solver); its answers and
+    its verdicts are rewarded on different scales, so each role is its own group.
+    """
+    groups: dict[tuple[str, str], list[Sample]] = defaultdict(list)
     for s in samples:
-        groups[s.model_id].append(s)
+        groups[s.model_id, s.role].append(s)
     for group in groups.values():
         rewards = np.array([s.reward for s in group], dtype=np.float64)
         mean, std = float(rewards.mean()), float(rewards.std())

@@ -208,6 +208,10 @@ class Store:
     def mark_done(self, task_id: str, now: float) -> None:
         self.conn.execute("UPDATE tasks SET state='done', done_at=? WHERE task_id=?", (now, task_id))
 
+    def open_task_payloads(self, kind: str) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT payload FROM tasks WHERE kind=? AND state!='done'",
+                                 (kind,)).fetchall()
+
     def count_open_tasks(self, kind: str) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM tasks WHERE kind=? AND state!='done'",
                                  (kind,)).fetchone()[0]

@@ -1,5 +1,6 @@
 """RaaSService's lease cycle against an in-memory dataflow (the HTTP path is covered by
-tests/integration/test_raas_service.py): pushes, counters, eval catch-up, re-registration."""
+tests/integration/test_raas_service.py): pushes, counters, eval and sync-round catch-up,
+re-registration."""
 
 from __future__ import annotations
 
@@ -99,6 +100,21 @@ def test_an_eval_task_ahead_of_the_engine_loads_its_version_first():
     samples = flow.pushed["t0"]
     assert engine.version == 1
     assert all((s.versions[s.prompt_len:] == 1).all() for s in samples)
+
+
+def test_a_sync_task_loads_the_round_version_before_generating():
+    flow = FakeDataflow()
+    engine = ScriptedEngine(build_tokenizer(), ["82"], version=0)
+    svc, _ = _service(flow, engine)
+    svc.start()
+    try:
+        flow.add(ArtifactBuilder("policy").build(1, _states(1)[0]))
+        flow.tasks = [_task(0, min_versions={"policy": 1})]
+        assert svc.run_cycle() == 1
+    finally:
+        svc.close()
+    assert engine.version == 1
+    assert all((s.versions[s.prompt_len:] == 1).all() for s in flow.pushed["t0"])
 
 
 def test_a_forgotten_instance_registers_again():
