@@ -25,7 +25,7 @@ same number of versions (zero-variance groups are generated and thrown away, mor
 policy solves more prompts); replay and GRESO win some of it back and reach the vanilla accuracy
 with fewer rollouts. Whatever it measures is what it reports.
 
-Run (the full set takes a long time on two CPU cores: ~10-20 min per variant)::
+Run (measured on two CPU cores: 1.5-3 min per variant, ~18 min for all seven plus a ~4 min warm start)::
 
     python tests/benchmarks/bench_data_algorithms.py --json --plot out.png
     python tests/benchmarks/bench_data_algorithms.py --variants vanilla ds_replay_greso_0.5 --versions 50
