@@ -28,7 +28,9 @@ YAML keys (defaults in brackets)::
     weight_download_dir: null (a temporary folder), weight_stream_min_bytes: 67108864
     (weight files at least this large are streamed to disk, not held in memory),
     held_weights_report: null (at shutdown, write JSON checksums of the weights each engine
-    holds, read back from the engine, next to its manifest's; for audits and tests)
+    holds, read back from the engine, next to its manifest's; for audits and tests),
+    concurrent_cycles: 1 (lease cycles in flight at once, each of max_concurrency / N tasks;
+    engines are then shared through SerializedEngine and every completion carries its version)
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class RaaSConfig:
     weight_download_dir: Optional[str] = None
     weight_stream_min_bytes: int = 64 << 20
     held_weights_report: Optional[str] = None
+    concurrent_cycles: int = 1
 
 
 def build_parser():
@@ -107,6 +110,9 @@ def build_parser():
                    help="weight files at least this large are streamed to disk")
     p.add_argument("--held_weights_report", type=Optional[str], default=None,
                    help="at shutdown, write JSON checksums of the weights each engine holds")
+    p.add_argument("--concurrent_cycles", type=int, default=1,
+                   help="lease cycles in flight at once, each of max_concurrency/N tasks: while "
+                        "one waits on slow tool calls or long-tail rollouts, another generates")
     return p
 
 
@@ -141,6 +147,9 @@ def validate(config: RaaSConfig) -> None:
         raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
     if config.poll_interval_s < 0:
         raise ValueError("poll_interval_s: must be >= 0")
+    if not 1 <= config.concurrent_cycles <= config.max_concurrency:
+        raise ValueError(f"concurrent_cycles: must be in [1, max_concurrency="
+                         f"{config.max_concurrency}], got {config.concurrent_cycles}")
     if config.push_concurrency < 1:
         raise ValueError(f"push_concurrency: must be >= 1, got {config.push_concurrency}")
     if config.weight_stream_min_bytes < 0:

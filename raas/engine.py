@@ -49,11 +49,14 @@ class Completion:
 
     ``token_ids`` includes the EOS / stop token when generation ended on one.
     ``finish_reason`` is ``"stop"`` (EOS or a stop token) or ``"length"`` (hit max_tokens).
+    ``version`` is the policy version that generated it, when the engine knows (a
+    :class:`SerializedEngine` stamps it); workflows fall back to ``engine.version``.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    version: int | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -86,6 +89,47 @@ class Engine(Protocol):
 
     def close(self) -> None:
         ...
+
+
+class SerializedEngine:
+    """An engine shared by concurrent lease cycles: one ``generate`` or weight update at a time.
+
+    vLLM's offline engine is not re-entrant, and a weight update must not land in the middle of
+    a generation. With several lease cycles in flight (``RaaSConfig.concurrent_cycles``), one
+    cycle may wait on a slow tool call while another generates; each completion is stamped with
+    the version that produced it, because the weights may change between two calls of the same
+    cycle. Every other attribute is the wrapped engine's.
+    """
+
+    def __init__(self, engine: Any):
+        import threading
+
+        self.inner = engine
+        self.lock = threading.RLock()
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:  # the weight sync moves a version with no change
+        with self.lock:
+            self.inner.version = value
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        with self.lock:
+            version = int(self.inner.version)
+            out = self.inner.generate(prompt_token_ids, params)
+        for c in out:
+            c.version = version
+        return out
+
+    def update_weights(self, named_tensors: dict[str, Any], version: int, **kw: Any) -> None:
+        with self.lock:
+            self.inner.update_weights(named_tensors, version, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def clamp_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int | None) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from astralight.raas.config import RaaSConfig, build_engine, parse_config
+from astralight.raas.engine import SerializedEngine
 from astralight.raas.weight_sync import WeightSync
 
 log = logging.getLogger("astralight.raas")
@@ -74,11 +75,11 @@ class RaaSService:
         self._heartbeat: threading.Thread | None = None
         self._started = time.monotonic()
         self._last_progress = time.monotonic()
-        self._failing_since: float | None = None
         self._push_pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()
         self._push_clients: list = []
         self._clients_lock = threading.Lock()
+        self._worker_codes: list[int] = []
 
     def _default_client_factory(self):
         from astralight.dataflow.client import DataflowClient
@@ -97,6 +98,10 @@ class RaaSService:
             self.engines = {}
             for i, mid in enumerate(cfg.model_ids):
                 self.engines[mid] = build_engine(mid, cfg.engines[mid], cfg.seed + i)
+        if cfg.concurrent_cycles > 1:
+            self.engines = {m: e if isinstance(e, SerializedEngine) else SerializedEngine(e)
+                            for m, e in self.engines.items()}
+        self._counters_lock = threading.Lock()
         engines_s = time.perf_counter() - t0
         self.client = self.client_factory()
         self.register()
@@ -138,12 +143,17 @@ class RaaSService:
 
     # ------------------------------------------------------------------ the loop
 
-    def run_cycle(self) -> int:
-        """One lease cycle; returns the number of tasks whose samples were pushed."""
+    def run_cycle(self, client: Any = None) -> int:
+        """One lease cycle; returns the number of tasks whose samples were pushed.
+
+        ``client``: the calling thread's own client when several cycles run at once.
+        """
+        client = client or self.client
         for sync in self.syncs.values():
             sync.refresh()
+        per_cycle = max(1, self.config.max_concurrency // self.config.concurrent_cycles)
         try:
-            tasks = self.client.lease(self.instance_id, self.config.max_concurrency)
+            tasks = client.lease(self.instance_id, per_cycle)
         except Exception as exc:
             if _status(exc) in (404, 410):  # the dataflow forgot us (e.g. expired): register again
                 log.warning("lease refused (%s); registering again", exc)
@@ -253,30 +263,54 @@ class RaaSService:
                                 mid, version, self.engines[mid].version)
 
     def serve(self) -> int:
-        """Run cycles until stopped (signal, ``max_cycles``) and return the exit code."""
+        """Run cycles until stopped (signal, ``max_cycles``) and return the exit code.
+
+        With ``concurrent_cycles`` N > 1, N - 1 more threads run the same loop, each with its own
+        dataflow client; a lease cycle stalled on its slowest rollout then no longer stalls the
+        instance (the asynchronous answer to long-tail rollouts).
+        """
+        extra = [threading.Thread(target=self._serve_loop, args=(True,), daemon=True,
+                                  name=f"raas-cycle-{i + 1}")
+                 for i in range(self.config.concurrent_cycles - 1)]
+        for t in extra:
+            t.start()
+        code = self._serve_loop(False)
+        self.stop_event.set()
+        for t in extra:
+            t.join()
+        code = max([code] + self._worker_codes)
+        self.maybe_progress(force=True)
+        return code
+
+    def _serve_loop(self, worker: bool) -> int:
         cfg = self.config
         cycles = 0
+        client = self._thread_client() if worker else None
+        failing_since = None
         while not self.stop_event.is_set():
             try:
-                n = self.run_cycle()
-                self._failing_since = None
+                n = self.run_cycle(client) if worker else self.run_cycle()
+                failing_since = None
             except Exception as exc:
                 self.counters.dataflow_errors += 1
                 now = time.monotonic()
-                self._failing_since = self._failing_since or now
+                failing_since = failing_since or now
                 log.error("cycle failed: %s", exc)
-                if now - self._failing_since > cfg.dataflow_give_up_s:
+                if now - failing_since > cfg.dataflow_give_up_s:
                     self.say(f"raas giving up: the dataflow has failed for "
-                             f"{now - self._failing_since:.0f}s")
+                             f"{now - failing_since:.0f}s")
+                    if worker:
+                        self._worker_codes.append(1)
+                    self.stop_event.set()
                     return 1
                 n = 0
             cycles += 1
-            self.maybe_progress()
+            if not worker:
+                self.maybe_progress()
             if cfg.max_cycles is not None and cycles >= cfg.max_cycles:
                 break
             if n == 0:
                 self.stop_event.wait(cfg.poll_interval_s)
-        self.maybe_progress(force=True)
         return 0
 
     # ------------------------------------------------------------------ observation

@@ -101,7 +101,7 @@ class SingleTurnWorkflow(Workflow):
         for (model_id, kind), batch in jobs.items():
             engine = engines[model_id]
             sampling = self.eval_sampling if kind == "eval" else self.sampling
-            version = int(engine.version)  # weights only change between lease cycles
+            version = int(engine.version)  # unless the engine stamps each completion
             completions = engine.generate([b[3] for b in batch], sampling)
             if len(completions) != len(batch):
                 raise RuntimeError(f"engine {model_id!r} returned {len(completions)} completions "
@@ -110,7 +110,8 @@ class SingleTurnWorkflow(Workflow):
                 text = self.decode(engine.tokenizer, comp)
                 reward = float(self.reward(text, task.metadata))
                 results[task.task_id].append(completion_sample(
-                    task, model_id, index, g, prompt_ids, comp, version, reward,
+                    task, model_id, index, g, prompt_ids, comp,
+                    version if comp.version is None else comp.version, reward,
                     sampling.temperature, role=self.role_of.get(model_id, ""), text=text))
         for samples in results.values():
             samples.sort(key=lambda s: s.sample_index)

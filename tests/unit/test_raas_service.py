@@ -5,12 +5,14 @@ re-registration."""
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import pytest
 
 from astralight.protocol import Task
 from astralight.raas.config import RaaSConfig
-from astralight.raas.engine import SamplingSpec
+from astralight.raas.engine import SamplingSpec, SerializedEngine
 from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer
@@ -199,3 +201,73 @@ def test_concurrent_pushes_count_refusals_and_raise_when_unreachable():
     c = svc.counters
     assert (c.tasks_done, c.push_errors, c.samples_pushed) == (2, 2, 6)
     assert all(name.startswith("raas-push") for name in flow.threads)
+
+
+class SlowWorkflow(SingleTurnWorkflow):
+    """Single turn plus a 'tool call' that keeps the cycle busy; records cycles in flight."""
+
+    def __init__(self):
+        super().__init__(ExactMatchReward(), sampling=SamplingSpec(temperature=0.8, max_tokens=4))
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+
+    def run(self, tasks, engines):
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            out = super().run(tasks, engines)
+            time.sleep(0.05)
+            return out
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+class LockedFakeDataflow(FakeDataflow):
+    def __init__(self, tasks=()):
+        super().__init__(tasks)
+        self.lock = threading.Lock()
+
+    def lease(self, instance_id, max_tasks):
+        with self.lock:
+            return super().lease(instance_id, max_tasks)
+
+    def push(self, instance_id, task_id, samples):
+        with self.lock:
+            return super().push(instance_id, task_id, samples)
+
+
+def test_concurrent_cycles_overlap_share_engines_and_push_every_task_once():
+    flow = LockedFakeDataflow([_task(i) for i in range(24)])
+    engine = ScriptedEngine(build_tokenizer(), ["82", "81"], version=3)
+    wf = SlowWorkflow()
+    cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
+                     model_ids=["policy"], max_concurrency=8, concurrent_cycles=4,
+                     poll_interval_s=0.01, progress_interval_s=1e9, weight_check_interval_s=3600.0)
+    svc = RaaSService(cfg, client_factory=lambda: flow, engines={"policy": engine}, out=io.StringIO())
+    svc.start()
+    assert isinstance(svc.engines["policy"], SerializedEngine)
+    stopper = threading.Thread(target=lambda: (time.sleep(0.1), [time.sleep(0.05) for _ in
+                                                                 range(200) if flow.tasks],
+                                               svc.request_stop()))
+    stopper.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        stopper.join()
+        svc.close()
+    assert sorted(flow.pushed) == sorted(f"t{i}" for i in range(24))
+    assert wf.max_in_flight >= 2  # cycles really overlapped
+    assert all((s.versions[s.prompt_len:] == 3).all() for v in flow.pushed.values() for s in v)
+
+
+def test_serialized_engine_stamps_the_version_of_each_generate_call():
+    engine = SerializedEngine(ScriptedEngine(build_tokenizer(), ["82"], version=1))
+    ids = [[5, 6]]
+    first = engine.generate(ids, SamplingSpec(max_tokens=4))
+    engine.update_weights({}, 2)
+    second = engine.generate(ids, SamplingSpec(max_tokens=4))
+    assert (first[0].version, second[0].version, engine.version) == (1, 2, 2)
+    engine.version = 5  # the weight sync moves a bit-identical version
+    assert engine.inner.version == 5
