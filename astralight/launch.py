@@ -293,6 +293,20 @@ def _progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, di
             f" | stale {pol.get('stale_dropped', 0)}{eval_text}")
 
 
+def _final_eval(evals: dict[int, dict]) -> dict:
+    """A policy's first and last complete evaluation (accuracy, and team accuracy if any)."""
+    complete = sorted(v for v, r in evals.items() if r.get("complete"))
+    if not complete:
+        return {"eval_versions": []}
+    first, last = evals[complete[0]], evals[complete[-1]]
+    out = {"eval_versions": complete, "eval_accuracy_start": first["avg_at_k"],
+           "eval_accuracy_end": last["avg_at_k"], "version_end": complete[-1]}
+    if "team_accuracy" in last:
+        out.update(team_accuracy_start=first.get("team_accuracy"),
+                   team_accuracy_end=last["team_accuracy"])
+    return out
+
+
 def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None, model_id: str,
                   target: int) -> dict:
     """The run's summary (without ``wall_s`` / ``run_dir``) from the dataflow's last word.
@@ -310,8 +324,9 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "eval_accuracy_end": final["avg_at_k"] if final else None,
         "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
         "eval_versions": complete,
-        "eval": {v: {key: evals[v].get(key) for key in
-                     ("avg_at_k", "pass_at_k", "k", "n_prompts", "min_version", "max_version")}
+        "eval": {v: {key: evals[v][key] for key in
+                     ("avg_at_k", "pass_at_k", "team_accuracy", "k", "n_prompts", "min_version",
+                      "max_version") if key in evals[v]}
                  for v in complete},
         "versions": pol.get("current_version"),
         "samples_trained": pol.get("samples_trained"),
@@ -449,6 +464,9 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
             pass  # keep the last poll's stats
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(stats, evals, per_version, model_id, target)
+        others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
+        if others:  # multi-policy: every policy's final evaluation, side by side
+            summary["policies"] = {m: _final_eval(_eval_table(url, m)) for m in [model_id] + others}
         summary.update(wall_s=round(time.time() - t_start, 1), run_dir=str(run_dir))
     except KeyboardInterrupt:
         interrupted = True

@@ -73,16 +73,24 @@ def schedule(store: Store, source: PromptSource, model_id: str, version: int,
 
 
 def summarize(samples: list[Sample]) -> dict:
-    """One prompt's report: counts, reward sum and the versions that generated its tokens."""
+    """One prompt's report: counts, reward sum and the versions that generated its tokens.
+
+    A multi-step workflow marks retries (``metadata["attempt"] > 0``): the policy's accuracy is
+    that of its first attempts, and when samples carry ``metadata["team_correct"]`` (the team's
+    answer after verification and retry) ``n_team_correct`` counts those of the first attempts.
+    """
     gen = [s.versions[s.loss_mask.astype(bool)] for s in samples]
     gen = np.concatenate(gen) if gen else np.zeros(0, np.int32)
     gen = gen[gen >= 0]
+    first = [s for s in samples if int(s.metadata.get("attempt", 0)) == 0] or samples
+    team = [s.metadata["team_correct"] for s in first if "team_correct" in s.metadata]
     return {
-        "n_samples": len(samples),
-        "n_correct": sum(1 for s in samples if s.reward > CORRECT_THRESHOLD),
-        "sum_reward": float(sum(s.reward for s in samples)),
+        "n_samples": len(first),
+        "n_correct": sum(1 for s in first if s.reward > CORRECT_THRESHOLD),
+        "sum_reward": float(sum(s.reward for s in first)),
         "min_version": int(gen.min()) if gen.size else None,
         "max_version": int(gen.max()) if gen.size else None,
+        "n_team_correct": int(sum(bool(t) for t in team)) if len(team) == len(first) else None,
     }
 
 
@@ -109,4 +117,7 @@ def aggregate(store: Store, model_id: str) -> dict[int, dict]:
             "max_version": max(maxs) if maxs else None,
             "scheduled_at": run["scheduled_at"],
         }
+        team = [r["n_team_correct"] for r in reports]
+        if reports and all(t is not None for t in team):  # a team workflow (solver + verifier)
+            out[run["version"]]["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
     return out

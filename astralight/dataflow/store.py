@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS eval_reports (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, prompt_index INTEGER NOT NULL,
     task_id TEXT NOT NULL, n_samples INTEGER NOT NULL, n_correct INTEGER NOT NULL,
     sum_reward REAL NOT NULL, min_version INTEGER, max_version INTEGER,
-    reported_at REAL NOT NULL, PRIMARY KEY(model_id, version, prompt_index));
+    reported_at REAL NOT NULL, n_team_correct INTEGER,
+    PRIMARY KEY(model_id, version, prompt_index));
 CREATE TABLE IF NOT EXISTS counters (
     model_id TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
     PRIMARY KEY(model_id, name));
@@ -85,6 +86,13 @@ class Store:
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA busy_timeout=10000")
         self.conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Columns added after a state folder may have been created (additive only)."""
+        cols = {r["name"] for r in self.conn.execute("PRAGMA table_info(eval_reports)")}
+        if "n_team_correct" not in cols:
+            self.conn.execute("ALTER TABLE eval_reports ADD COLUMN n_team_correct INTEGER")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -332,13 +340,14 @@ class Store:
 
     def insert_eval_report(self, model_id: str, version: int, prompt_index: int, task_id: str,
                            n_samples: int, n_correct: int, sum_reward: float,
-                           min_version: int | None, max_version: int | None, now: float) -> None:
+                           min_version: int | None, max_version: int | None, now: float,
+                           n_team_correct: int | None = None) -> None:
         self.conn.execute(
             "INSERT OR IGNORE INTO eval_reports(model_id, version, prompt_index, task_id, n_samples,"
-            " n_correct, sum_reward, min_version, max_version, reported_at)"
-            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " n_correct, sum_reward, min_version, max_version, reported_at, n_team_correct)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (model_id, version, prompt_index, task_id, n_samples, n_correct, sum_reward,
-             min_version, max_version, now))
+             min_version, max_version, now, n_team_correct))
 
     def eval_runs(self, model_id: str) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM eval_runs WHERE model_id=? ORDER BY version",

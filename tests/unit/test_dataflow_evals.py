@@ -35,7 +35,19 @@ def test_summarize_counts_correct_and_generating_versions():
 
     rep = summarize([s(1.0, [-1, 2, 3]), s(0.5, [-1, 4]), s(0.0, [-1, 3])])
     assert rep == {"n_samples": 3, "n_correct": 1, "sum_reward": 1.5, "min_version": 2,
-                   "max_version": 4}
+                   "max_version": 4, "n_team_correct": None}
+
+
+def test_summarize_team_workflow_counts_first_attempts_and_team_answers():
+    def s(reward, attempt, team):
+        return Sample(task_id="e", sample_index=0, model_id="solver",
+                      token_ids=np.zeros(3, np.int32), logprobs=np.zeros(3, np.float32),
+                      loss_mask=np.array([0, 1, 1], np.uint8), versions=np.array([-1, 1, 1], np.int32),
+                      reward=reward, metadata={"attempt": attempt, "team_correct": team})
+
+    # two chains: wrong then fixed on retry (team right), right at once (team right)
+    rep = summarize([s(0.0, 0, 1), s(1.0, 1, 1), s(1.0, 0, 1)])
+    assert (rep["n_samples"], rep["n_correct"], rep["n_team_correct"]) == (2, 1, 2)
 
 
 @pytest.mark.parametrize("bad, field", [({"queue_order": "lifo"}, "queue_order"),
