@@ -371,7 +371,8 @@ class CodeSolverTestGen(Workflow):
             if len(comps) != len(batch):
                 raise RuntimeError(f"engine {model_id!r} returned {len(comps)} completions for "
                                    f"{len(batch)} prompts")
-            out.extend((key, ids, c, version, sampling) for (_, ids, key), c in zip(batch, comps))
+            out.extend((key, ids, c, version if c.version is None else c.version, sampling)
+                       for (_, ids, key), c in zip(batch, comps))
         return out
 
     def _state(self, task: Task) -> _TaskState:
