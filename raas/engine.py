@@ -7,6 +7,7 @@ engine in production and on a small transformers engine in unit tests.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,6 +92,9 @@ class Engine(Protocol):
         ...
 
 
+_PROCESS_ENGINE_LOCK = threading.RLock()
+
+
 class SerializedEngine:
     """An engine shared by concurrent lease cycles: one ``generate`` or weight update at a time.
 
@@ -99,13 +103,15 @@ class SerializedEngine:
     cycle may wait on a slow tool call while another generates; each completion is stamped with
     the version that produced it, because the weights may change between two calls of the same
     cycle. Every other attribute is the wrapped engine's.
+
+    By default all engines of the process share one lock: vLLM's in-process engines keep global
+    state (the forward context), so two of them must not run a forward pass at the same time
+    either (measured: a solver and a verifier engine generating from two threads crash vLLM).
     """
 
-    def __init__(self, engine: Any):
-        import threading
-
+    def __init__(self, engine: Any, lock: Any = None):
         self.inner = engine
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else _PROCESS_ENGINE_LOCK
 
     @property
     def version(self) -> int:
