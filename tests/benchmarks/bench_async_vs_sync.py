@@ -51,7 +51,8 @@ class _Named:
 
 
 def mode_recipe(mode: str, versions: int, batch_size: int, median_s: float, sigma: float,
-                cap_s: float, staleness: int, recipe_path: Path = RECIPE) -> dict:
+                cap_s: float, staleness: int, recipe_path: Path = RECIPE,
+                eval_size: int | None = None, eval_k: int | None = None) -> dict:
     """The recipe of one mode: extends the multi-agent recipe, wraps its workflow in the latency
     profile, one lease cycle per task, ``versions`` versions, evaluated at 0 and at the end."""
     base = load_recipe(recipe_path)
@@ -67,6 +68,12 @@ def mode_recipe(mode: str, versions: int, batch_size: int, median_s: float, sigm
         t["data"] = {**t["data"], "init_args": {**t["data"]["init_args"], "batch_size": batch_size}}
     dataflow: dict[str, Any] = {"mode": mode, "weights_gc": False,
                                 "eval": {"every": versions}}
+    if eval_size:  # a bigger held-out set: less noise in the final comparison
+        source = dict(base["dataflow"]["eval"]["source"])
+        source["init_args"] = {**source.get("init_args", {}), "eval_size": eval_size}
+        dataflow["eval"]["source"] = source
+    if eval_k:  # more samples per held-out prompt: the other way to shrink the noise
+        dataflow["eval"]["k"] = eval_k
     if mode == "sync":
         dataflow.update(sync_batch_size=batch_size, max_staleness=0)
     else:
@@ -111,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=1.5, help="log-normal shape of the delays")
     p.add_argument("--cap-s", type=float, default=15.0, help="longest delay")
     p.add_argument("--staleness", type=int, default=4, help="async max_staleness")
+    p.add_argument("--eval-size", type=int, default=None,
+                   help="held-out prompts (default: the recipe's 200; the toy has ~250 in all)")
+    p.add_argument("--eval-k", type=int, default=None,
+                   help="samples per held-out prompt (default: the recipe's 4)")
     p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     p.add_argument("--run-root", type=Path, default=None)
     p.add_argument("--json", action="store_true")
@@ -128,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for mode in args.modes:
         recipe = mode_recipe(mode, args.versions, args.batch_size, args.median_s, args.sigma,
-                             args.cap_s, args.staleness)
+                             args.cap_s, args.staleness, eval_size=args.eval_size,
+                             eval_k=args.eval_k)
         log(f"[bench] {mode}: start")
         t0 = time.time()
         rc, summary, tail = run_variant(_Named(mode), recipe, root / mode, init_model, args.quiet)
