@@ -211,8 +211,14 @@ class Dataflow:
                                                    "call register first")
         return row
 
-    def _maybe_schedule_eval(self, model_id: str, version: int, now: float) -> int:
-        if self.eval_source is None or version % self.config.eval.every:
+    def _maybe_schedule_eval(self, model_id: str, version: int, now: float,
+                             previous: int | None = None) -> int:
+        """Evaluate ``version`` if it is a multiple of ``eval.every``, or if it is the first
+        published version past one: a WeightPublisher that falls behind publishes only its newest
+        snapshot, and the skipped multiple must not leave a hole in the eval curve."""
+        every = self.config.eval.every
+        crossed = previous is not None and version // every > previous // every
+        if self.eval_source is None or (version % every and not crossed):
             return 0
         n = evals.schedule(self.store, self.eval_source, model_id, version, self.model_ids,
                            self.config.eval.k, self.config.workflow, now)
@@ -305,7 +311,7 @@ class Dataflow:
         if open_train >= cfg.max_inflight_tasks:
             return False
         if cfg.mode == "sync":
-            return self._round_needs_tasks(open_train)
+            return self._round_needs_tasks()
         expected = open_train * cfg.group_size
         return any(len(q) + expected < cfg.max_buffered_samples for q in self.queues.values())
 
@@ -315,7 +321,7 @@ class Dataflow:
         versions = set(self.versions.values())
         return versions.pop() if len(versions) == 1 else None
 
-    def _round_needs_tasks(self, open_train: int) -> bool:  # noqa: ARG002 (same signature)
+    def _round_needs_tasks(self) -> bool:
         """Sync mode: does some policy still lack samples of this round, counting what the
         round's open tasks will deliver?"""
         rnd = self._round()
@@ -704,7 +710,7 @@ class Dataflow:
             manifest.created = manifest.created or now
             with self.store.tx():
                 self.store.insert_version(mid, manifest.version, encode(manifest), now)
-                n_evals = self._maybe_schedule_eval(mid, manifest.version, now)
+                n_evals = self._maybe_schedule_eval(mid, manifest.version, now, previous=current)
             self.versions[mid] = manifest.version
             self.weight_index[mid].append((manifest.version, manifest.kind, now))
             dropped = self.queues[mid].drop_stale(manifest.version)

@@ -357,6 +357,11 @@ def test_eval_tasks_at_version_zero_and_every_n_versions(tmp_path, dataflow_serv
     assert r2["complete"] and r2["pass_at_k"] == pytest.approx(1 / 3)
     assert r2["avg_at_k"] == pytest.approx(1.25 / 6)
     assert (r2["min_version"], r2["max_version"]) == (1, 2)  # versions that generated the tokens
+    # a publisher that fell behind skips version 4: version 5 is evaluated in its place
+    publish_version(c, 3)
+    assert c.lease(iid, 1)[0].kind == "train"
+    publish_version(c, 5)
+    assert [(t.kind, t.eval_version) for t in c.lease(iid, 3)] == [("eval", 5)] * 3
 
 
 def test_bearer_token_guards_every_route(tmp_path, dataflow_service, client_for):
