@@ -9,9 +9,12 @@ so a new one needs no change to the service.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable
 
 from astralight.protocol import Sample, Task
+
+log = logging.getLogger(__name__)
 
 
 class Workflow:
@@ -43,3 +46,41 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = Fals
         f"task.prompt: expected text, chat messages [{{role, content}}] or token ids, "
         f"got {type(prompt).__name__}"
     )
+
+
+def encode_text_prompt(engine: Any, text: str, chat: bool = False,
+                       add_special_tokens: bool = False) -> list[int] | None:
+    """Prompt ids of ``text`` (as one user message through the chat template when ``chat``), or
+    None, logged, when the prompt leaves no room in the engine's ``max_model_len``."""
+    prompt = [{"role": "user", "content": text}] if chat else text
+    ids = tokenize_prompt(engine.tokenizer, prompt, add_special_tokens)
+    limit = getattr(engine, "max_model_len", None)
+    if not ids or (limit is not None and len(ids) >= limit):
+        log.warning("prompt of %d tokens does not fit max_model_len=%s: %.60r", len(ids), limit,
+                    text)
+        return None
+    return ids
+
+
+def generate_round(engine: Any, model_id: str, jobs: list[tuple[Task, list[int], Any]],
+                   sampling_for: Callable[[str], Any]) -> list[tuple]:
+    """One step of a multi-step workflow: generate for every job, batched per sampling kind.
+
+    ``jobs`` are ``(task, prompt_ids, key)``; ``sampling_for("train" | "eval")`` gives the
+    sampling. Returns ``(key, prompt_ids, completion, version, sampling)`` per job, where version
+    is the one stamped on the completion (concurrent cycles) or else the engine's.
+    """
+    by_kind: dict[str, list[tuple[Task, list[int], Any]]] = {}
+    for job in jobs:
+        by_kind.setdefault("eval" if job[0].kind == "eval" else "train", []).append(job)
+    out = []
+    for kind, batch in by_kind.items():
+        sampling = sampling_for(kind)
+        version = int(engine.version)
+        comps = engine.generate([b[1] for b in batch], sampling)
+        if len(comps) != len(batch):
+            raise RuntimeError(f"engine {model_id!r} returned {len(comps)} completions for "
+                               f"{len(batch)} prompts")
+        out.extend((key, ids, c, version if c.version is None else c.version, sampling)
+                   for (_, ids, key), c in zip(batch, comps))
+    return out

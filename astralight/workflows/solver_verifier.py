@@ -34,7 +34,7 @@ from typing import Any
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import Completion, SamplingSpec
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Workflow, tokenize_prompt
+from astralight.workflows.base import Workflow, encode_text_prompt, generate_round
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
@@ -235,15 +235,7 @@ class SolverVerifier(Workflow):
         return self.eval_sampling if kind == "eval" else self.sampling
 
     def _encode(self, engine: Any, text: str) -> list[int] | None:
-        """Prompt ids, or None (logged) when the prompt leaves no room in max_model_len."""
-        prompt = [{"role": "user", "content": text}] if self.chat else text
-        ids = tokenize_prompt(engine.tokenizer, prompt, self.add_special_tokens)
-        limit = getattr(engine, "max_model_len", None)
-        if not ids or (limit is not None and len(ids) >= limit):
-            log.warning("prompt of %d tokens does not fit max_model_len=%s: %.60r", len(ids),
-                        limit, text)
-            return None
-        return ids
+        return encode_text_prompt(engine, text, self.chat, self.add_special_tokens)
 
     @staticmethod
     def problem_text(task: Task) -> str:
@@ -263,21 +255,8 @@ class SolverVerifier(Workflow):
         ``jobs``: (task, prompt_ids, key). Returns (key, prompt_ids, completion, version, sampling).
         """
         model_id = self.roles[role]
-        engine = engines[model_id]
-        by_kind: dict[str, list[tuple[Task, list[int], Any]]] = {}
-        for job in jobs:
-            by_kind.setdefault("eval" if job[0].kind == "eval" else "train", []).append(job)
-        out = []
-        for kind, batch in by_kind.items():
-            sampling = self._sampling(role, kind)
-            version = int(engine.version)
-            comps = engine.generate([b[1] for b in batch], sampling)
-            if len(comps) != len(batch):
-                raise RuntimeError(f"engine {model_id!r} returned {len(comps)} completions for "
-                                   f"{len(batch)} prompts")
-            out.extend((key, ids, c, version if c.version is None else c.version, sampling)
-                       for (_, ids, key), c in zip(batch, comps))
-        return out
+        return generate_round(engines[model_id], model_id, jobs,
+                              lambda kind: self._sampling(role, kind))
 
     # ------------------------------------------------------------------------------ run
 

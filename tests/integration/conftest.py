@@ -79,3 +79,21 @@ def dataflow_service():
     yield start
     for proc in procs:
         _stop(proc)
+
+
+@pytest.fixture
+def client_for():
+    """Factory: ``client_for(url, **kw) -> DataflowClient`` (retrying for 30 s by default),
+    every client closed at teardown."""
+    from astralight.dataflow.client import DataflowClient
+
+    clients = []
+
+    def make(url, **kw):
+        c = DataflowClient(url, retry_s=kw.pop("retry_s", 30.0), **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()

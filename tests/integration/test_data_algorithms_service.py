@@ -40,20 +40,6 @@ class EvenFirstOperand(PromptCurator):
         return {"updates": float(self.updates)}
 
 
-@pytest.fixture
-def client_for():
-    clients = []
-
-    def make(url):
-        c = DataflowClient(url, retry_s=30.0)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
-
-
 def _served_groups_ok(batch) -> bool:
     return all(s.group_std > 0 for s in batch.samples)
 

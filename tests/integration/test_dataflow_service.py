@@ -52,20 +52,6 @@ def model_stats(client: DataflowClient, model_id: str = "policy") -> dict:
     return client.stats()["models"][model_id]
 
 
-@pytest.fixture
-def client_for():
-    clients = []
-
-    def make(url, **kw):
-        c = DataflowClient(url, retry_s=kw.pop("retry_s", 30.0), **kw)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
-
-
 def test_expired_lease_is_reissued_once_and_the_late_push_is_a_duplicate(tmp_path, dataflow_service,
                                                                          client_for):
     url, _, _ = dataflow_service(tmp_path, lease_seconds=1.0, max_inflight_tasks=1, group_size=2)

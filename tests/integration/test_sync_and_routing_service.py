@@ -6,23 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from astralight.dataflow.client import DataflowClient
 from astralight.protocol import Sample
 from tests.integration.test_dataflow_service import make_samples, model_stats, publish_version
-
-
-@pytest.fixture
-def client_for():
-    clients = []
-
-    def make(url):
-        c = DataflowClient(url, retry_s=30.0)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
 
 
 def test_sync_mode_runs_rounds_of_exactly_one_batch_per_version(tmp_path, dataflow_service,
