@@ -13,6 +13,10 @@ Recipe placeholders, substituted in every string value: ``{run_dir}``, ``{datafl
 Recipe inheritance: ``extends: PATH`` (relative to the recipe's own folder) names a parent recipe;
 the child is deep-merged onto it (mappings merge key by key, anything else, lists included,
 replaces), so a variant states only what it changes (``configs/toy/algorithms/*.yaml``).
+
+Every ``balance.every`` versions (default 10) the dataflow's balance report (trainer wait
+fraction, produced / accepted / consumed, the pool decision) is appended to ``balance.txt`` in the
+run folder; the last one is in the summary.
 """
 
 from __future__ import annotations
@@ -269,6 +273,24 @@ def _per_version_counters(url: str, model_id: str) -> dict | None:
     return versions if isinstance(versions, dict) else None
 
 
+def _balance_report(url: str, model_id: str, window: int, path: Path) -> dict | None:
+    """Fetch the dataflow's balance report and append it to ``path`` (one readable line and the
+    JSON); None when the route is unavailable (the run goes on)."""
+    try:
+        report = _get_json(f"{url}/v1/balance/{model_id}?window={window}")
+    except Exception as exc:
+        print(f"[launch] balance report not available ({exc})", flush=True)
+        return None
+    d = report.get("decision") or {}
+    line = (f"versions {report['versions'][0]}..{report['versions'][1]}: wait fraction "
+            f"{report['wait_fraction']:.1%}, produced {report['produced']}, accepted "
+            f"{report['accepted']}, consumed {report['consumed']}, stale {report['stale']}, "
+            f"pool {d.get('pool')} -> {d.get('action')} {d.get('target')} ({d.get('reason')})")
+    with open(path, "a") as f:
+        f.write(line + "\n" + json.dumps(report) + "\n")
+    return report
+
+
 def _policy_stats(stats: dict, model_id: str) -> dict:
     return (stats.get("models") or {}).get(model_id, {})
 
@@ -431,6 +453,9 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         trainers = [c for c in comps if c.name.startswith("trainer-")]
         services = [c for c in comps[1:] if c not in trainers]
         last_print = 0.0
+        # the dataflow's balance report every `balance.every` versions, into balance.txt
+        balance_every = int((recipe.get("balance") or {}).get("every", 10))
+        balance_at, last_balance = 0, None
         final_eval_deadline = None
         while True:
             time.sleep(1.0)
@@ -448,6 +473,11 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
             except Exception:
                 stats = {}
             evals = _eval_table(url, model_id)
+            version = int(_policy_stats(stats, model_id).get("current_version") or 0)
+            if balance_every and version - balance_at >= balance_every:
+                balance_at = version
+                report = _balance_report(url, model_id, balance_every, run_dir / "balance.txt")
+                last_balance = report or last_balance
             if not quiet and now - last_print >= float(stop.get("progress_every_s", 5)):
                 print(_progress_line(now - t_start, target, stats, evals, model_id), flush=True)
                 last_print = now
@@ -464,6 +494,7 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
             pass  # keep the last poll's stats
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(stats, evals, per_version, model_id, target)
+        summary["balance"] = last_balance
         others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
         if others:  # multi-policy: every policy's final evaluation, side by side
             summary["policies"] = {m: _final_eval(_eval_table(url, m)) for m in [model_id] + others}

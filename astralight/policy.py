@@ -404,19 +404,19 @@ class M2POPolicy(pl.LightningModule):
         if sched is not None:
             sched.step()
 
-        # Acknowledge only once the optimizer step has happened: a crash before it re-serves.
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None and hasattr(dm, "acknowledge") and batch.get("batch_id") is not None:
-            dm.acknowledge(batch["batch_id"])
-
         now = time.perf_counter()
-        metrics.update(self._batch_stats(batch, prepared))
-        metrics["grad_norm"] = grad_norm.detach().float()
-        metrics["lr"] = torch.tensor(lr)
         wait_s = float(batch.get("wait_s", 0.0) or 0.0)
         compute_s = now - t0
         interval = (now - self._last_step_end) if self._last_step_end is not None else compute_s + wait_s
         self._last_step_end = now
+        # Acknowledge only once the optimizer step has happened: a crash before it re-serves.
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "acknowledge") and batch.get("batch_id") is not None:
+            dm.acknowledge(batch["batch_id"], wait_s=wait_s, step_s=interval)
+
+        metrics.update(self._batch_stats(batch, prepared))
+        metrics["grad_norm"] = grad_norm.detach().float()
+        metrics["lr"] = torch.tensor(lr)
         n_samples = prepared["input_ids"].shape[0]
         n_tokens = float(prepared["attention_mask"].sum())
         perf = {

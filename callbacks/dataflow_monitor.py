@@ -76,6 +76,25 @@ def plugin_metrics(plugins: dict | None) -> dict[str, float]:
     return out
 
 
+def balance_metrics(report: dict) -> dict[str, float]:
+    """``balance/*`` scalars of a balance report (``/v1/balance/{model_id}``)."""
+    out = {}
+    for key in ("wait_fraction", "mean_step_s", "mean_wait_s", "produced", "accepted", "consumed",
+                "stale"):
+        value = _number(report.get(key))
+        if value is not None:
+            out[f"balance/{key}"] = value
+    decision = report.get("decision") or {}
+    for key in ("pool", "target"):
+        value = _number(decision.get(key))
+        if value is not None:
+            out[f"balance/{key}"] = value
+    action = {"scale_down": -1.0, "hold": 0.0, "scale_up": 1.0}.get(decision.get("action"))
+    if action is not None:
+        out["balance/action"] = action
+    return out
+
+
 class DataflowMonitor(LazyDataflowClient, pl.Callback):
     """Log the dataflow's eval results and counters for this trainer's policy.
 
@@ -88,11 +107,15 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         wait_final_eval_s: at the end of fit, wait up to this long for the evaluation of the
             last published version so it reaches TensorBoard too (0: don't wait).
         token: bearer token (default: env ``ASTRALIGHT_TOKEN``).
+        balance_every: log the dataflow's balance report (trainer wait fraction, produced /
+            accepted / consumed counts, the pool decision) over the last this many versions,
+            every this many versions, as ``balance/*`` (0: off).
     """
 
     def __init__(self, dataflow_url: str | None = None, model_id: str | None = None,
                  every_n_steps: int = 5, steps_per_version: int | None = None,
-                 wait_final_eval_s: float = 0.0, token: str | None = None):
+                 wait_final_eval_s: float = 0.0, token: str | None = None,
+                 balance_every: int = 10):
         super().__init__()
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
@@ -101,6 +124,10 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         self.dataflow_url, self.model_id, self.token = dataflow_url, model_id, token
         self.every_n_steps, self.steps_per_version = every_n_steps, steps_per_version
         self.wait_final_eval_s = wait_final_eval_s
+        if balance_every < 0:
+            raise ValueError(f"balance_every: must be >= 0 versions (0: off), got {balance_every}")
+        self.balance_every = balance_every
+        self._balance_logged_at = 0
         self.logged_versions: set[int] = set()
         self._client = None
 
@@ -149,6 +176,14 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
                     step=version * self.steps_per_version)
         stats = (all_stats.get("models") or {}).get(self.model_id, {})
         metrics = {**stat_metrics(stats), **plugin_metrics(all_stats.get("plugins"))}
+        version = int(stats.get("current_version") or 0)
+        if self.balance_every and version - self._balance_logged_at >= self.balance_every:
+            try:
+                metrics.update(balance_metrics(client.balance(self.model_id, self.balance_every)))
+                self._balance_logged_at = version
+            except Exception as exc:  # an older service without the route: monitoring goes on
+                log.warning("DataflowMonitor: no balance report (%s)", exc)
+                self.balance_every = 0
         if metrics:
             trainer.logger.log_metrics(metrics, step=trainer.global_step)
         return evals

@@ -233,9 +233,14 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
             return stream.pull()
         return batch
 
-    def acknowledge(self, batch_id: str) -> None:
-        """Tell the dataflow this batch is trained (called by the module after its optimizer step)."""
-        self.client.ack(batch_id)
+    def acknowledge(self, batch_id: str, wait_s: float | None = None,
+                    step_s: float | None = None) -> None:
+        """Tell the dataflow this batch is trained (called by the module after its optimizer
+        step), with how long the trainer waited for it and how long the whole step took."""
+        if wait_s is None or step_s is None:
+            self.client.ack(batch_id)
+        else:
+            self.client.ack(batch_id, wait_s=wait_s, step_s=step_s)
         self.acknowledged.append(batch_id)
         self.n_acknowledged += 1
 

@@ -204,6 +204,10 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         results = await run_in_threadpool(core.eval_results, model_id)
         return {str(v): r for v, r in results.items()}
 
+    @app.get("/v1/balance/{model_id}")
+    async def balance_report(model_id: str, window: int = 10, pool: int | None = None):
+        return await run_in_threadpool(core.balance, model_id, window, pool)
+
     @app.get("/v1/counters/{model_id}")
     async def version_counters(model_id: str, since: int = 0):
         counters = await run_in_threadpool(core.version_counters, model_id, since)
@@ -281,7 +285,12 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return Response(await run_in_threadpool(encode, batch), media_type=MSGPACK)
 
     def _ack(data: bytes) -> dict:
-        return core.ack(field(decode_map(data, limit), "batch_id", str))
+        msg = decode_map(data, limit)
+        timings = {k: field(msg, k, (int, float), None) for k in ("wait_s", "step_s")}
+        for k, v in timings.items():
+            if v is not None and not 0 <= v < 1e7:
+                raise ServiceError(422, k, f"must be seconds in [0, 1e7), got {v}")
+        return core.ack(field(msg, "batch_id", str), **timings)
 
     @app.post("/v1/ack")
     async def ack(request: Request):

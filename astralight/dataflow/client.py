@@ -121,6 +121,11 @@ class DataflowClient:
 
     # ------------------------------------------------------------------ RaaS side
 
+    def balance(self, model_id: str, window: int = 10, pool: int | None = None) -> dict:
+        """The balance report over the last ``window`` versions (GET /v1/balance/{model_id})."""
+        query = f"window={int(window)}" + (f"&pool={int(pool)}" if pool is not None else "")
+        return self._send("GET", f"/v1/balance/{model_id}?{query}").json()
+
     def counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
         """Counters of ``model_id`` per policy version (GET /v1/counters/{model_id})."""
         data = self._send("GET", f"/v1/counters/{model_id}?since={int(since)}").json()
@@ -151,8 +156,13 @@ class DataflowClient:
                          timeout=max(self.timeout, timeout_s + 30.0))
         return None if out is None else expect(out, Batch, "batch")
 
-    def ack(self, batch_id: str) -> None:
-        self._call("POST", "/v1/ack", {"batch_id": batch_id})
+    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> None:
+        """Acknowledge a trained batch; a trainer also reports how long it waited for the batch
+        and its whole step took (the balance report's trainer wait fraction)."""
+        body: dict = {"batch_id": batch_id}
+        if wait_s is not None and step_s is not None:
+            body.update(wait_s=float(wait_s), step_s=float(step_s))
+        self._call("POST", "/v1/ack", body)
 
     # ------------------------------------------------------------------ versions and weights
 

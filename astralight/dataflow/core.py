@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from astralight.dataflow import evals
+from astralight.dataflow import balance, evals
 from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.plugins import DataPlugin, PromptOutcome
@@ -48,7 +48,9 @@ COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_r
             # data algorithms
             "rollouts_generated", "prompts_submitted", "prompts_skipped", "prompts_forced",
             "groups_filtered", "samples_filtered", "replay_added", "replay_evicted",
-            "replay_stale_dropped", "replay_exhausted", "replay_served", "samples_trained")
+            "replay_stale_dropped", "replay_exhausted", "replay_served", "samples_trained",
+            # trainer timings reported with acks (balance report)
+            "trainer_wait_ms", "trainer_step_ms", "trainer_steps_timed")
 #: the generic curator safety valve never scans more than this many prompts for one task
 MAX_CURATOR_SKIPS = 10_000
 
@@ -582,9 +584,11 @@ class Dataflow:
             log.info("dropped %d stale samples of %s (current version %d, max_staleness %d)",
                      len(dropped), model_id, self.versions[model_id], self.config.max_staleness)
 
-    def ack(self, batch_id: str) -> dict:
+    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> dict:
         """Mark a batch trained. A late ack of a re-queued batch also removes its samples that
-        are still waiting in the queue (they were trained after all)."""
+        are still waiting in the queue (they were trained after all). ``wait_s`` / ``step_s``:
+        the trainer's wait for this batch and its whole step, counted (in ms) at the current
+        version for the balance report."""
         with self.lock:
             row = self.store.batch(batch_id)
             if row is None:
@@ -601,6 +605,10 @@ class Dataflow:
                 self._bump(mid, "samples_acked", len(ids))
                 self._bump(mid, "samples_trained", len(ids) + n_replayed)
                 self._bump(mid, "batches_acked")
+                if wait_s is not None and step_s is not None and mid in self.queues:
+                    self._bump(mid, "trainer_wait_ms", round(1000 * wait_s))
+                    self._bump(mid, "trainer_step_ms", round(1000 * step_s))
+                    self._bump(mid, "trainer_steps_timed")
                 evicted = self._add_to_replay_pool(mid, rows) if mid in self.queues else []
             if mid in self.queues:
                 self.queues[mid].remove([r["id"] for r in rows if r["state"] == "queued"])
@@ -830,6 +838,26 @@ class Dataflow:
         self._model(model_id)
         with self.lock:
             return self.store.version_counters(model_id, since)
+
+    def balance(self, model_id: str, window: int = 10, pool: int | None = None) -> dict:
+        """The balance report over the last ``window`` completed versions of ``model_id``
+        (:mod:`astralight.dataflow.balance`); ``pool`` defaults to the instances seen within
+        three lease periods."""
+        self._model(model_id)
+        if window < 1:
+            raise ServiceError(422, "window", f"must be >= 1 versions, got {window}")
+        with self.lock:
+            current = self.versions[model_id]
+            last = max(current - 1, 0)
+            first = max(last - window + 1, 0)
+            now = time.time()
+            live = [r for r in self.store.instances()
+                    if now - r["last_seen"] <= 3 * self.config.lease_seconds]
+            counters = self.store.version_counters(model_id, since=first)
+        report = balance.window_report(counters, first, last,
+                                       pool if pool is not None else len(live))
+        report.update(model_id=model_id, current_version=current, live_instances=len(live))
+        return report
 
     def eval_results(self, model_id: str) -> dict[int, dict]:
         self._model(model_id)

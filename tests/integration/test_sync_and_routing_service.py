@@ -73,3 +73,23 @@ def test_each_trainer_receives_only_its_policys_samples(tmp_path, dataflow_servi
     assert c.download_weight_file("solver", 2, "model.safetensors") == b"solver v2"
     publish_version(c, 1, payload=b"verifier v1", model_id="verifier")
     assert c.download_weight_file("verifier", 1, "model.safetensors") == b"verifier v1"
+
+
+def test_acks_carry_trainer_timings_into_the_balance_report(tmp_path, dataflow_service,
+                                                            client_for):
+    url, _, _ = dataflow_service(tmp_path, group_size=4, max_staleness=4)
+    c = client_for(url)
+    iid = c.register(["policy"], 8)["instance_id"]
+    for t in c.lease(iid, 4):
+        c.push(iid, t.task_id, make_samples(t, [1, 0, 1, 0]))
+    for _ in range(2):
+        batch = c.pull_batch("policy", 8, timeout_s=1)
+        c.ack(batch.batch_id, wait_s=0.5, step_s=2.0)
+    publish_version(c, 1)
+    report = c.balance("policy", window=1, pool=4)
+    assert report["versions"] == [0, 0] and report["live_instances"] == 1
+    assert report["wait_fraction"] == pytest.approx(0.25)
+    assert (report["accepted"], report["consumed"]) == (16, 16)
+    assert report["decision"]["action"] == "scale_up" and report["decision"]["target"] == 6
+    with pytest.raises(Exception, match="wait_s"):
+        c.ack(batch.batch_id, wait_s=-1.0, step_s=1.0)

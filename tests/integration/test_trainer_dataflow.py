@@ -88,6 +88,8 @@ def test_fit_against_the_dataflow_service(dataflow_service, tiny_model_dir, tmp_
     stats = client.stats()["models"]["policy"]
     assert stats["batches_acked"] == 3 and stats["samples_acked"] == 24
     assert stats["batches_outstanding"] == 0  # nothing pulled and left unacknowledged
+    # every ack carried the trainer's wait and step time (the balance report's wait fraction)
+    assert stats["trainer_steps_timed"] == 3 and stats["trainer_step_ms"] >= stats["trainer_wait_ms"]
     assert publisher.last_published_version == client.current_version("policy") == 3
     manifest = client.latest_manifest("policy")
     # v1 full, then bf16 deltas onto the last published version (a version the trainer

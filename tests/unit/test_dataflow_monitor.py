@@ -106,3 +106,32 @@ def test_tag_names_are_tensorboard_friendly():
     out = plugin_metrics({"curators[1]": {"class": "my.pkg.Curator", "metrics": {"p/x y": 1}}})
     assert out == {"dataflow/plugins/curators_1_my.pkg.Curator/p_x_y": 1.0}
     assert plugin_metrics(None) == {}
+
+
+class BalanceClient(FakeClient):
+    def __init__(self, stats: dict):
+        super().__init__(stats)
+        self.calls = []
+
+    def balance(self, model_id: str, window: int = 10) -> dict:
+        self.calls.append((model_id, window))
+        return {"wait_fraction": 0.25, "mean_step_s": 2.0, "mean_wait_s": 0.5, "produced": 100,
+                "accepted": 90, "consumed": 64, "stale": 10,
+                "decision": {"action": "scale_up", "pool": 4, "target": 6, "reason": "..."}}
+
+
+def test_balance_report_is_logged_every_balance_every_versions():
+    stats = {"models": {"policy": {"current_version": 12}}}
+    monitor, trainer = monitor_with(stats)
+    monitor.client = BalanceClient(stats)
+    monitor.poll(trainer)
+    logged = trainer.logger.merged()
+    assert logged["balance/wait_fraction"] == 0.25 and logged["balance/target"] == 6.0
+    assert logged["balance/action"] == 1.0 and logged["balance/pool"] == 4.0
+    assert monitor.client.calls == [("policy", 10)]
+    monitor.poll(trainer)  # same version: not again
+    assert len(monitor.client.calls) == 1
+    # a service without the route: a warning, then no more tries, the rest still logged
+    monitor2, trainer2 = monitor_with(stats)
+    monitor2.poll(trainer2)
+    assert monitor2.balance_every == 0 and "dataflow/current_version" in trainer2.logger.merged()

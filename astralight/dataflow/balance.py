@@ -1,0 +1,85 @@
+"""The balance report: is rollout production keeping up with training, and how big should the pool be?
+
+The dataflow sees both sides of the system: what the rollout services produce (pushed, accepted,
+dropped as stale) and what the trainers consume (samples in acknowledged batches, with the time
+each trainer waited for its batch and the time its whole step took, reported with the ack). Over
+a window of trainer versions it computes the trainer wait fraction ``w = sum(wait) / sum(step)``
+and the three-zone decision of ARCHITECTURE.md ("Elasticity and the balance report"):
+
+- ``w > tau_high``: the trainer starves, ``scale_up`` to ``ceil(G / (1 - w))``;
+- ``w < tau_low`` and both counts positive: rollout overproduces, ``scale_down`` to
+  ``min(G, ceil(G * consumed / accepted * rho))``;
+- otherwise ``hold`` at ``G``.
+
+Pure functions over the per-version counters (``Store.version_counters``), so the same numbers
+serve the route, a text file and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+#: the counters a window sums (names as in the dataflow's per-version counters)
+WINDOW_COUNTERS = ("rollouts_generated", "samples_accepted", "samples_trained", "stale_dropped",
+                   "groups_filtered", "samples_filtered", "trainer_wait_ms", "trainer_step_ms",
+                   "trainer_steps_timed")
+
+
+@dataclass
+class Decision:
+    action: str        # scale_up | scale_down | hold
+    pool: int          # G: the pool size the window ran with
+    target: int        # G_target
+    reason: str
+
+
+def decide(pool: int, wait_fraction: float, consumed: int, accepted: int,
+           tau_high: float = 0.10, tau_low: float = 0.05, rho: float = 1.10) -> Decision:
+    """The three-zone target pool size for a window (see the module docstring)."""
+    if pool < 0:
+        raise ValueError(f"pool: must be >= 0, got {pool}")
+    if not 0 <= tau_low <= tau_high < 1:
+        raise ValueError(f"tau_low/tau_high: need 0 <= tau_low <= tau_high < 1, got "
+                         f"{tau_low}/{tau_high}")
+    w = min(max(float(wait_fraction), 0.0), 0.99)
+    if w > tau_high:
+        target = math.ceil(max(pool, 1) / (1.0 - w))
+        return Decision("scale_up", pool, target,
+                        f"trainer waited {w:.1%} of its steps (> {tau_high:.0%})")
+    if w < tau_low and consumed > 0 and accepted > 0:
+        target = min(pool, math.ceil(pool * consumed / accepted * rho))
+        if target < pool:
+            return Decision("scale_down", pool, target,
+                            f"trainer waited {w:.1%} (< {tau_low:.0%}); it consumed "
+                            f"{consumed / accepted:.0%} of what was accepted")
+    return Decision("hold", pool, pool, f"trainer waited {w:.1%}: within the target band")
+
+
+def window_report(per_version: dict[int, dict[str, int]], first: int, last: int, pool: int,
+                  **thresholds: float) -> dict:
+    """The report for versions ``first..last`` (inclusive) of one policy's per-version counters."""
+    if last < first:
+        raise ValueError(f"window: last version {last} before first {first}")
+    sums = dict.fromkeys(WINDOW_COUNTERS, 0)
+    for v in range(first, last + 1):
+        for name in WINDOW_COUNTERS:
+            sums[name] += int(per_version.get(v, {}).get(name, 0))
+    step_s, wait_s = sums["trainer_step_ms"] / 1000.0, sums["trainer_wait_ms"] / 1000.0
+    w = wait_s / step_s if step_s > 0 else 0.0
+    decision = decide(pool, w, sums["samples_trained"], sums["samples_accepted"], **thresholds)
+    steps = sums["trainer_steps_timed"]
+    return {
+        "versions": [first, last],
+        "wait_fraction": round(w, 4),
+        "trainer_step_s": round(step_s, 3),
+        "trainer_wait_s": round(wait_s, 3),
+        "mean_step_s": round(step_s / steps, 4) if steps else None,
+        "mean_wait_s": round(wait_s / steps, 4) if steps else None,
+        "produced": sums["rollouts_generated"],
+        "accepted": sums["samples_accepted"],
+        "consumed": sums["samples_trained"],
+        "stale": sums["stale_dropped"],
+        "filtered": sums["samples_filtered"],
+        "decision": asdict(decision),
+    }
