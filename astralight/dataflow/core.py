@@ -832,6 +832,24 @@ class Dataflow:
 
     # ------------------------------------------------------------------ observation
 
+    def instance_status(self, idle_s: float) -> str:
+        """``healthy`` (seen within half a lease period: heartbeats come every third), ``suspect``
+        (missed heartbeats, its leases still valid) or ``gone`` (silent for a whole lease period:
+        its leases have expired and are re-issued)."""
+        lease = self.config.lease_seconds
+        return "healthy" if idle_s <= lease / 2 else "suspect" if idle_s <= lease else "gone"
+
+    def _instance_table(self, now: float) -> list[dict]:
+        """Registered RaaS instances with their status and share of the samples pushed."""
+        rows = self.store.instances()
+        total = sum(r["samples_pushed"] for r in rows) or 1
+        return [{"instance_id": r["instance_id"], "model_ids": json.loads(r["model_ids"]),
+                 "capacity": r["capacity"], "last_seen": r["last_seen"],
+                 "idle_s": round(now - r["last_seen"], 3),
+                 "status": self.instance_status(now - r["last_seen"]),
+                 "tasks_leased": r["tasks_leased"], "samples_pushed": r["samples_pushed"],
+                 "throughput_share": round(r["samples_pushed"] / total, 4)} for r in rows]
+
     def version_counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
         """Counters of ``model_id`` per policy version: what happened while version v was current
         (the rollouts it cost to train version v+1, the prompts skipped, the samples replayed)."""
@@ -841,8 +859,8 @@ class Dataflow:
 
     def balance(self, model_id: str, window: int = 10, pool: int | None = None) -> dict:
         """The balance report over the last ``window`` completed versions of ``model_id``
-        (:mod:`astralight.dataflow.balance`); ``pool`` defaults to the instances seen within
-        three lease periods."""
+        (:mod:`astralight.dataflow.balance`) with the instance table; ``pool`` defaults to the
+        instances not ``gone``."""
         self._model(model_id)
         if window < 1:
             raise ServiceError(422, "window", f"must be >= 1 versions, got {window}")
@@ -851,12 +869,13 @@ class Dataflow:
             last = max(current - 1, 0)
             first = max(last - window + 1, 0)
             now = time.time()
-            live = [r for r in self.store.instances()
-                    if now - r["last_seen"] <= 3 * self.config.lease_seconds]
+            table = self._instance_table(now)
+            live = [r for r in table if r["status"] != "gone"]
             counters = self.store.version_counters(model_id, since=first)
         report = balance.window_report(counters, first, last,
                                        pool if pool is not None else len(live))
-        report.update(model_id=model_id, current_version=current, live_instances=len(live))
+        report.update(model_id=model_id, current_version=current, live_instances=len(live),
+                      instances=table)
         return report
 
     def eval_results(self, model_id: str) -> dict[int, dict]:
@@ -882,10 +901,7 @@ class Dataflow:
                          weight_oldest_version=index[0][0] if index else None,
                          weight_latest_full=fulls[-1] if fulls else None)
                 models[m] = c
-            instances = [{"instance_id": r["instance_id"], "model_ids": json.loads(r["model_ids"]),
-                          "capacity": r["capacity"], "last_seen": r["last_seen"],
-                          "idle_s": round(now - r["last_seen"], 3), "tasks_leased": r["tasks_leased"],
-                          "samples_pushed": r["samples_pushed"]} for r in self.store.instances()]
+            instances = self._instance_table(now)
             plugins = {name: {"class": type(p).__name__, "metrics": p.metrics()}
                        for name, p in self.named_plugins().items()}
             return {"time": now, "models": models, "instances": instances, "plugins": plugins,

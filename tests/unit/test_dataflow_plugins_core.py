@@ -137,3 +137,26 @@ def test_filtered_groups_are_stored_counted_and_outcomes_reach_curators(tmp_path
     per_version = flow.version_counters("policy")
     assert per_version[0]["rollouts_generated"] == 4 and per_version[0]["groups_filtered"] == 1
     flow.close()
+
+
+def test_instance_status_and_throughput_share_in_stats_and_balance(tmp_path):
+    flow = make(tmp_path, lease_seconds=10.0)
+    a = flow.register(["policy"], 4, "a", {})["instance_id"]
+    b = flow.register(["policy"], 4, "b", {})["instance_id"]
+    c = flow.register(["policy"], 4, "c", {})["instance_id"]
+    for t in flow.lease(a, 3):
+        flow.push(a, t.task_id, samples(t, [1, 0]))
+    [t] = flow.lease(b, 1)
+    flow.push(b, t.task_id, samples(t, [1, 0]))
+    now = __import__("time").time()
+    with flow.store.tx():  # b missed its heartbeats, c went silent a lease period ago
+        flow.store.touch_instance(b, now - 7.0)
+        flow.store.touch_instance(c, now - 11.0)
+    table = {r["instance_id"]: r for r in flow.stats()["instances"]}
+    assert {i: r["status"] for i, r in table.items()} == {"a": "healthy", "b": "suspect",
+                                                         "c": "gone"}
+    assert (table["a"]["throughput_share"], table["b"]["throughput_share"]) == (0.75, 0.25)
+    report = flow.balance("policy", window=1)
+    assert report["live_instances"] == 2 and report["decision"]["pool"] == 2
+    assert [r["instance_id"] for r in report["instances"]] == ["a", "b", "c"]
+    flow.close()
