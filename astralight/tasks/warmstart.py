@@ -181,54 +181,16 @@ def train_warmstart(spec: TinyModelSpec | dict | None = None, source_kwargs: dic
     """
     spec = _as_spec(spec)
     source_kwargs = dict(DEFAULT_SOURCE_KWARGS if source_kwargs is None else source_kwargs)
-    for key in ("split", "seed"):
-        if key in source_kwargs:
-            raise ValueError(f"source_kwargs: do not pass {key!r}; the warm start uses the train "
-                             "split and its own seed argument")
-    if sft_steps < 0:
-        raise ValueError(f"sft_steps: must be >= 0, got {sft_steps}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-    if not lr > 0:
-        raise ValueError(f"lr: must be > 0, got {lr}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing: must be in [0, 1), got {label_smoothing}")
+    _check_args(source_kwargs, sft_steps, batch_size, lr, label_smoothing)
     tokenizer = build_tokenizer()
     support = torch.tensor(tokenizer(ANSWER_ALPHABET, add_special_tokens=False)["input_ids"] + [EOS_ID])
     model = build_model(spec)
-    model.train()
     src = ArithmeticSource(split="train", seed=seed, **source_kwargs)
     pool = [src.get(i) for i in range(min(POOL_SIZE, max(sft_steps * batch_size, 1)))]
     ids, attn, loss_mask = encode_examples(tokenizer, [p.prompt for p in pool],
                                            [p.metadata["answer"] for p in pool])
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, sft_steps // 10)
-
-    def lr_factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, sft_steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    for step in range(sft_steps):
-        idx = torch.randint(len(pool), (batch_size,), generator=gen)
-        b_ids, b_attn, b_mask = ids[idx], attn[idx], loss_mask[idx]
-        width = int(b_attn.sum(-1).max())
-        b_ids, b_attn, b_mask = b_ids[:, :width], b_attn[:, :width], b_mask[:, 1:width]
-        logits = model(input_ids=b_ids, attention_mask=b_attn).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        nll = -logp.gather(-1, b_ids[:, 1:, None]).squeeze(-1)
-        if label_smoothing > 0:
-            nll = (1 - label_smoothing) * nll - label_smoothing * logp[..., support].mean(-1)
-        loss = (nll * b_mask).sum() / b_mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if progress is not None:
-            progress(step + 1, float(loss.detach()))
+    _sft(model, ids, attn, loss_mask, torch.ones_like(loss_mask), support, sft_steps, lr,
+         batch_size, seed, label_smoothing, progress)
     model.eval()
     return model, tokenizer
 

@@ -84,3 +84,19 @@ def generate_round(engine: Any, model_id: str, jobs: list[tuple[Task, list[int],
         out.extend((key, ids, c, version if c.version is None else c.version, sampling)
                    for (_, ids, key), c in zip(batch, comps))
     return out
+
+
+def check_roles(workflow: str, roles: dict[str, str], tasks: list[Task],
+                engines: dict[str, Any]) -> None:
+    """Every role's model id has an engine here and is named by every task (a multi-policy
+    workflow emits samples for each); KeyError naming the field and the fix otherwise."""
+    for role, model_id in roles.items():
+        if model_id not in engines:
+            raise KeyError(f"roles.{role}: no engine for model id {model_id!r}; this RaaS "
+                           f"serves {sorted(engines)}")
+    for task in tasks:
+        absent = [m for m in roles.values() if m not in task.model_ids]
+        if absent:
+            raise KeyError(f"task.model_ids: task {task.task_id} lists {task.model_ids} but "
+                           f"{workflow} emits samples for {absent} too; add them to the "
+                           "dataflow's model_ids")

@@ -63,7 +63,8 @@ from astralight.protocol import Sample, Task
 from astralight.raas.engine import Completion, SamplingSpec
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
-from astralight.workflows.base import Workflow, encode_text_prompt, generate_round
+from astralight.workflows.base import (Workflow, check_roles, encode_text_prompt,
+                                       generate_round)
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
@@ -393,16 +394,7 @@ class CodeSolverTestGen(Workflow):
     # ------------------------------------------------------------------------------ run
 
     def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        for role, model_id in self.roles.items():
-            if model_id not in engines:
-                raise KeyError(f"roles.{role}: no engine for model id {model_id!r}; this RaaS "
-                               f"serves {sorted(engines)}")
-        for task in tasks:
-            absent = [m for m in self.roles.values() if m not in task.model_ids]
-            if absent:
-                raise KeyError(f"task.model_ids: task {task.task_id} lists {task.model_ids} but "
-                               f"code_testgen emits samples for {absent} too; add them to the "
-                               "dataflow's model_ids")
+        check_roles(self.name, self.roles, tasks, engines)
         solver_id, testgen_id = self.roles["solver"], self.roles["testgen"]
         solver, testgen = engines[solver_id], engines[testgen_id]
         states = [self._state(t) for t in tasks]
