@@ -10,6 +10,7 @@ policy versions that actually generated the tokens); the results are aggregated 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -94,9 +95,17 @@ def summarize(samples: list[Sample]) -> dict:
     }
 
 
-def aggregate(store: Store, model_id: str) -> dict[int, dict]:
+def aggregate(store: Store, model_id: str,
+              benchmarks: dict[int, str] | None = None) -> dict[int, dict]:
     """Results per eval version: ``avg_at_k`` (mean reward of all samples), ``pass_at_k`` (mean over
-    reported prompts), ``complete`` once every prompt reported, and the generating versions."""
+    reported prompts), ``complete`` once every prompt reported, and the generating versions.
+
+    With ``benchmarks`` (``{prompt_index: benchmark name}``, e.g. from :func:`benchmark_map`)
+    each version also gets ``benchmarks: {name: {avg_at_k, pass_at_k, n_prompts, n_reported,
+    n_samples}}`` and ``benchmark_average``, the unweighted mean of the per-benchmark avg@k over
+    the benchmarks with at least one report (so a 30-problem AIME counts as much as MATH-500).
+    Prompts missing from the map are grouped under ``"unknown"``.
+    """
     out: dict[int, dict] = {}
     for run in store.eval_runs(model_id):
         reports = store.eval_reports(model_id, run["version"])
@@ -120,4 +129,63 @@ def aggregate(store: Store, model_id: str) -> dict[int, dict]:
         team = [r["n_team_correct"] for r in reports]
         if reports and all(t is not None for t in team):  # a team workflow (solver + verifier)
             out[run["version"]]["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
+        if benchmarks is not None:
+            out[run["version"]].update(per_benchmark(reports, k, run["n_prompts"], benchmarks))
     return out
+
+
+def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str]) -> dict:
+    """``{"benchmarks": {name: {...}}, "benchmark_average": float | None}`` of one eval run."""
+    scheduled: dict[str, int] = {}
+    for index, name in benchmarks.items():
+        if 0 <= index < n_prompts:
+            scheduled[name] = scheduled.get(name, 0) + 1
+    groups: dict[str, list] = {name: [] for name in scheduled}
+    for r in reports:
+        groups.setdefault(benchmarks.get(r["prompt_index"], "unknown"), []).append(r)
+    table = {}
+    for name, rows in groups.items():
+        n_samples = sum(r["n_samples"] for r in rows)
+        table[name] = {
+            "avg_at_k": sum(r["sum_reward"] for r in rows) / n_samples if n_samples else 0.0,
+            "pass_at_k": (sum(pass_at_k(r["n_samples"], r["n_correct"], k) for r in rows)
+                          / len(rows)) if rows else 0.0,
+            "n_prompts": scheduled.get(name, len(rows)),
+            "n_reported": len(rows),
+            "n_samples": n_samples,
+        }
+    reported = [v["avg_at_k"] for v in table.values() if v["n_reported"]]
+    return {"benchmarks": table,
+            "benchmark_average": sum(reported) / len(reported) if reported else None}
+
+
+_BENCHMARK_MAPS = weakref.WeakKeyDictionary()
+
+
+def benchmark_map(source: PromptSource | None) -> dict[int, str] | None:
+    """``{prompt_index: benchmark}`` of an eval source, or None when it names no benchmark.
+
+    Uses the source's ``benchmark_names()`` when it has one (:class:`MultiBenchmarkSource`), else
+    the ``benchmark`` metadata field of each prompt. Computed once per source object.
+    """
+    if source is None:
+        return None
+    try:
+        return _BENCHMARK_MAPS[source]
+    except (KeyError, TypeError):
+        pass
+    names = getattr(source, "benchmark_names", None)
+    if callable(names):
+        found = dict(names())
+    else:
+        found = {}
+        for i in range(eval_size(source)):
+            name = source.get(i).metadata.get("benchmark")
+            if name is not None:
+                found[i] = str(name)
+    result = found or None
+    try:
+        _BENCHMARK_MAPS[source] = result
+    except TypeError:  # not weak-referenceable: recomputed next time
+        pass
+    return result

@@ -7,6 +7,8 @@ surrounding whitespace and trailing whitespace on each line, the usual judge tol
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -140,19 +142,49 @@ def run_tests(code: str, tests: list[dict], *, workers: int = 1,
 
 class HiddenTestsReward(Reward):
     """``reward(completion, metadata)``: share (or all-or-nothing) of ``metadata["hidden_tests"]``
-    the completion's program passes; a single-turn code reward."""
+    the completion's program passes; a single-turn code reward.
+
+    Named by import path from any workflow's YAML::
+
+        reward:
+          class_path: astralight.rewards.code.HiddenTestsReward
+          init_args: {all_or_nothing: true, limits: {wall_s: 4.0, memory_mb: 512, workers: 2}}
+
+    ``limits`` (or, from Python, keyword arguments) go to :func:`run_tests` /
+    :func:`~astralight.rewards.sandbox.run_program` (``cpu_s``, ``wall_s``, ``memory_mb``,
+    ``workers``, ...). The tests may also arrive as a JSON string (verl-style data sets).
+    """
 
     def __init__(self, all_or_nothing: bool = False, tests_key: str = "hidden_tests",
-                 **limits):
+                 limits: dict | None = None, **extra_limits):
         self.all_or_nothing = all_or_nothing
         self.tests_key = tests_key
-        self.limits = limits
+        self.limits = {**(limits or {}), **extra_limits}
+        allowed = _limit_names()
+        unknown = sorted(set(self.limits) - allowed)
+        if unknown:
+            raise TypeError(f"limits: unknown {unknown}; allowed: {sorted(allowed)}")
 
     def __call__(self, completion: str, metadata: dict) -> float:
         tests = metadata.get(self.tests_key)
         if tests is None:
             raise KeyError(f"metadata.{self.tests_key}: missing; the task must carry its tests")
+        if isinstance(tests, str):
+            try:
+                tests = json.loads(tests)
+            except ValueError:
+                raise TypeError(f"metadata.{self.tests_key}: a string that is not JSON") from None
         report = run_tests(extract_code(completion), tests, **self.limits)
         if self.all_or_nothing:
             return float(report.total > 0 and report.all_passed)
         return report.fraction
+
+
+def _limit_names() -> set[str]:
+    """Keyword arguments run_tests accepts (its own and run_program's limits)."""
+    names = set()
+    for fn in (run_tests, run_program):
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY:
+                names.add(p.name)
+    return names
