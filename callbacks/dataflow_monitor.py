@@ -80,7 +80,7 @@ def balance_metrics(report: dict) -> dict[str, float]:
     """``balance/*`` scalars of a balance report (``/v1/balance/{model_id}``)."""
     out = {}
     for key in ("wait_fraction", "mean_step_s", "mean_wait_s", "produced", "accepted", "consumed",
-                "stale"):
+                "stale", "wall_s", "eval_s", "throughput_per_capacity_unit"):
         value = _number(report.get(key))
         if value is not None:
             out[f"balance/{key}"] = value

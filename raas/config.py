@@ -30,7 +30,19 @@ YAML keys (defaults in brackets)::
     held_weights_report: null (at shutdown, write JSON checksums of the weights each engine
     holds, read back from the engine, next to its manifest's; for audits and tests),
     concurrent_cycles: 1 (lease cycles in flight at once, each of max_concurrency / N tasks;
-    engines are then shared through SerializedEngine and every completion carries its version)
+    engines are then shared through SerializedEngine and every completion carries its version),
+    capacity_units: 1.0 (what this instance is worth in GPUs or CPU slots, sent at registration;
+    the balance report divides throughput by it and the autoscaler sums it),
+    cycle_delay_s: 0.0 (every lease cycle that generated something sleeps this long before it
+    pushes: a deliberately slower instance, to run heterogeneous pools on identical hardware),
+    drain_timeout_s: 120 (a drain -- SIGTERM, SIGINT or the dataflow's drain route -- that has not
+    finished its cycles after this long becomes a hard stop: in-flight tasks are returned)
+
+Stopping: the first SIGTERM / SIGINT (or a drain asked by the dataflow through the heartbeat)
+drains: no more leasing, the cycles in flight finish and push, leased tasks not yet started
+are returned, the instance deregisters and the process exits 0. A second signal (or
+drain_timeout_s) is a hard stop: every in-flight task is returned, the instance deregisters
+and the process exits 130 at once.
 """
 
 from __future__ import annotations
@@ -72,6 +84,9 @@ class RaaSConfig:
     weight_stream_min_bytes: int = 64 << 20
     held_weights_report: Optional[str] = None
     concurrent_cycles: int = 1
+    capacity_units: float = 1.0
+    cycle_delay_s: float = 0.0
+    drain_timeout_s: float = 120.0
 
 
 def build_parser():
@@ -113,6 +128,12 @@ def build_parser():
     p.add_argument("--concurrent_cycles", type=int, default=1,
                    help="lease cycles in flight at once, each of max_concurrency/N tasks: while "
                         "one waits on slow tool calls or long-tail rollouts, another generates")
+    p.add_argument("--capacity_units", type=float, default=1.0,
+                   help="GPUs or CPU slots this instance stands for (sent at registration)")
+    p.add_argument("--cycle_delay_s", type=float, default=0.0,
+                   help="sleep this long in every lease cycle before pushing (a slower instance)")
+    p.add_argument("--drain_timeout_s", type=float, default=120.0,
+                   help="a drain still running after this long becomes a hard stop")
     return p
 
 
@@ -152,6 +173,13 @@ def validate(config: RaaSConfig) -> None:
                          f"{config.max_concurrency}], got {config.concurrent_cycles}")
     if config.push_concurrency < 1:
         raise ValueError(f"push_concurrency: must be >= 1, got {config.push_concurrency}")
+    if not config.capacity_units > 0:
+        raise ValueError(f"capacity_units: must be > 0 (GPUs or CPU slots), got "
+                         f"{config.capacity_units}")
+    if config.cycle_delay_s < 0:
+        raise ValueError(f"cycle_delay_s: must be >= 0, got {config.cycle_delay_s}")
+    if not config.drain_timeout_s > 0:
+        raise ValueError(f"drain_timeout_s: must be > 0, got {config.drain_timeout_s}")
     if config.weight_stream_min_bytes < 0:
         raise ValueError("weight_stream_min_bytes: must be >= 0 (0 streams every file to disk)")
 

@@ -6,8 +6,23 @@
 One lease cycle: apply a newer verified weight version if one is ready (the only pause in
 generation), lease up to ``max_concurrency`` tasks, run them through the workflow in one batch,
 push each task's samples (pushes are idempotent by task id). Liveness is kept by a heartbeat
-thread so a long generation does not look like a dead instance. SIGTERM / SIGINT finish the
-current cycle, push it, and exit 0; a second signal exits at once.
+thread so a long generation does not look like a dead instance; it reports how many tasks are
+in flight and learns from the reply when the dataflow wants the instance drained.
+
+Membership. The service tracks its in-flight tasks (leased, not yet pushed or returned), so
+nothing it holds waits for a lease to expire when it can say so at once:
+
+* drain (first SIGTERM / SIGINT, or the dataflow's drain route seen through the heartbeat):
+  stop leasing, let the cycles in flight finish and push, return leased tasks not yet
+  started, deregister, exit 0;
+* hard stop (a second signal, or a drain still running after ``drain_timeout_s``): return
+  every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
+* a workflow exception returns the cycle's tasks as failed; tasks of another workflow are
+  returned unfailed for an instance that runs it;
+* rejoin: a heartbeat, lease or push answered 404 for this instance (a dataflow restarted,
+  on its old state or a fresh one) registers again under the same instance id, once however
+  many threads noticed; a push the dataflow answers with an unknown or never-leased task (a
+  fresh state forgot it) is counted as dropped and the loop goes on.
 
 The service decides nothing about data: which tasks exist, which samples are trained on and
 what is stale belong to the dataflow.
@@ -32,6 +47,13 @@ from astralight.raas.weight_sync import WeightSync
 
 log = logging.getLogger("astralight.raas")
 
+HARD_STOP_EXIT = 130
+"""Exit code of a hard stop (second signal, or a drain past ``drain_timeout_s``)."""
+HARD_STOP_CALLS_S = 10.0
+"""How long a hard stop waits for its return and deregister calls before exiting anyway."""
+GOODBYE_RETRY_S = 10.0
+"""How long the last calls (return, deregister) wait for an unreachable dataflow."""
+
 
 @dataclass
 class Counters:
@@ -48,12 +70,19 @@ class Counters:
     dataflow_errors: int = 0
     unsupported_tasks: int = 0
     empty_tasks: int = 0
+    tasks_returned: int = 0
+    pushes_dropped: int = 0
+    rejoins: int = 0
 
 
 def _status(exc: BaseException) -> int | None:
     """HTTP status of a DataflowError (duck-typed, so the client module stays optional here)."""
     status = getattr(exc, "status", None)
     return status if isinstance(status, int) else None
+
+
+def _field(exc: BaseException) -> str | None:
+    return getattr(exc, "field", None)
 
 
 class RaaSService:
@@ -80,6 +109,24 @@ class RaaSService:
         self._push_clients: list = []
         self._clients_lock = threading.Lock()
         self._worker_codes: list[int] = []
+        self._counters_lock = threading.Lock()
+        # membership: what we hold, whether we are draining, who registers
+        self._in_flight: set[str] = set()
+        self._in_flight_lock = threading.Lock()
+        self._state_lock = threading.RLock()  # RLock: a signal may arrive while it is held
+        self._signals = 0
+        self._register_lock = threading.Lock()
+        self._registrations = 0  # bumped by every successful register (rejoin guard)
+        self.draining = False
+        self.drain_reason = ""
+        self._hard_stop = threading.Event()
+        self._hard_stop_done = threading.Event()
+        self._drain_timer: threading.Timer | None = None
+        self._heartbeat_stop = threading.Event()
+        self._left = False
+        self._ready_at: float | None = None
+        self._first_push_said = False
+        self._exit = os._exit  # a hard stop ends the process; tests substitute a recorder
 
     def _default_client_factory(self):
         from astralight.dataflow.client import DataflowClient
@@ -101,7 +148,6 @@ class RaaSService:
         if cfg.concurrent_cycles > 1:
             self.engines = {m: e if isinstance(e, SerializedEngine) else SerializedEngine(e)
                             for m, e in self.engines.items()}
-        self._counters_lock = threading.Lock()
         engines_s = time.perf_counter() - t0
         self.client = self.client_factory()
         self.register()
@@ -116,30 +162,116 @@ class RaaSService:
         self._heartbeat.start()
         warm = sum(getattr(e, "warmup_s", 0.0) for e in self.engines.values())
         versions = " ".join(f"{m}=v{e.version}" for m, e in self.engines.items())
+        self._ready_at = time.monotonic()
         self.say(f"raas ready instance={self.instance_id} model_ids={cfg.model_ids} {versions} "
                  f"engines_up_s={engines_s:.2f} warmup_s={warm:.2f} dataflow={cfg.dataflow}")
 
-    def register(self) -> None:
+    def register(self, client: Any = None) -> None:
+        """Register under this instance's id (one made up the first time), with its capacity."""
+        with self._register_lock:
+            self._register_locked(client or self.client)
+
+    def _register_locked(self, client: Any) -> None:
         wf = self.config.workflow
         meta = {"workflow": getattr(wf, "name", type(wf).__name__), "pid": os.getpid(),
                 "versions": {m: int(e.version) for m, e in self.engines.items()}}
-        reply = self.client.register(self.config.model_ids, self.config.max_concurrency,
-                                     instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",
-                                     meta=meta)
+        reply = client.register(self.config.model_ids, self.config.max_concurrency,
+                                instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",
+                                meta=meta, capacity_units=self.config.capacity_units)
         self.instance_id = reply["instance_id"]
         self.lease_seconds = float(reply.get("lease_seconds", self.lease_seconds))
+        self._registrations += 1
+
+    def rejoin(self, seen: int, client: Any = None, why: str = "") -> bool:
+        """Register again (same instance id) after a 404 for this instance, unless another
+        thread already did.
+
+        ``seen`` is the registration count the caller read before the call that got the 404:
+        if it moved since, that registration already answered the 404 and this one is skipped
+        (a lease, a heartbeat and a few pushes all notice a restarted dataflow at once). One
+        lock serializes registrations, so two threads never register at the same time.
+        """
+        with self._register_lock:
+            if self._registrations != seen or self._left:  # (never undo a deregistration)
+                return False
+            self._register_locked(client or self.client)
+        with self._counters_lock:
+            self.counters.rejoins += 1
+        self.say(f"raas registered again as {self.instance_id} ({why or 'unknown instance'})")
+        return True
 
     def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval_s or max(self.lease_seconds / 3.0, 0.5)
         client = self.client_factory()
         try:
-            while not self.stop_event.wait(interval):
-                try:
-                    client.heartbeat(self.instance_id)
-                except Exception as exc:  # the main loop notices a dead dataflow too
-                    log.warning("heartbeat failed: %s", exc)
+            while not self._heartbeat_stop.wait(self.config.heartbeat_interval_s
+                                                or max(self.lease_seconds / 3.0, 0.5)):
+                self.heartbeat_once(client)
         finally:
             client.close()
+
+    def heartbeat_once(self, client: Any = None) -> dict | None:
+        """One heartbeat with the in-flight count: rejoin on 404, drain if the reply says so."""
+        client = client or self.client
+        seen = self._registrations
+        try:
+            reply = client.heartbeat(self.instance_id, in_flight=self.in_flight_count())
+        except Exception as exc:  # the main loop notices a dead dataflow too
+            if _status(exc) == 404:  # (the heartbeat names nothing else that could be unknown)
+                try:
+                    self.rejoin(seen, client, why="heartbeat: the dataflow does not know us")
+                except Exception as again:
+                    log.warning("registering again failed: %s", again)
+            else:
+                log.warning("heartbeat failed: %s", exc)
+            return None
+        if isinstance(reply, dict):
+            if reply.get("lease_seconds"):
+                self.lease_seconds = float(reply["lease_seconds"])
+            if reply.get("drain"):
+                self.drain("the dataflow's drain route")
+        return reply
+
+    # ------------------------------------------------------------------ in-flight tasks
+
+    def in_flight_count(self) -> int:
+        with self._in_flight_lock:
+            return len(self._in_flight)
+
+    def in_flight_ids(self) -> list[str]:
+        with self._in_flight_lock:
+            return sorted(self._in_flight)
+
+    def _track(self, task_ids) -> None:
+        with self._in_flight_lock:
+            self._in_flight.update(task_ids)
+
+    def _untrack(self, task_ids) -> list[str]:
+        """Forget ``task_ids``; returns those that were still held (not returned meanwhile)."""
+        with self._in_flight_lock:
+            held = [t for t in task_ids if t in self._in_flight]
+            self._in_flight.difference_update(held)
+        return held
+
+    def return_tasks(self, task_ids, failed: bool = False, why: str = "",
+                     client: Any = None) -> int:
+        """Give tasks back to the dataflow (leasable at once); their leases need not expire.
+
+        Best effort: if the call fails the leases expire and the dataflow re-issues them anyway.
+        """
+        ids = self._untrack(list(task_ids))
+        if not ids:
+            return 0
+        client = client or self.client
+        try:
+            client.return_tasks(self.instance_id, ids, failed=failed)
+        except Exception as exc:
+            log.warning("could not return %d task(s) (%s): %s; their leases will expire instead",
+                        len(ids), why, exc)
+            return 0
+        with self._counters_lock:
+            self.counters.tasks_returned += len(ids)
+        log.info("returned %d task(s)%s: %s", len(ids), " as failed" if failed else "", why)
+        return len(ids)
 
     # ------------------------------------------------------------------ the loop
 
@@ -152,25 +284,42 @@ class RaaSService:
         for sync in self.syncs.values():
             sync.refresh()
         per_cycle = max(1, self.config.max_concurrency // self.config.concurrent_cycles)
+        seen = self._registrations
         try:
             tasks = client.lease(self.instance_id, per_cycle)
         except Exception as exc:
-            if _status(exc) in (404, 410):  # the dataflow forgot us (e.g. expired): register again
+            if _status(exc) in (404, 410):  # the dataflow forgot us (restarted, expired): rejoin
                 log.warning("lease refused (%s); registering again", exc)
-                self.register()
+                self.rejoin(seen, client, why="lease: the dataflow does not know us")
                 return 0
             raise
-        self.counters.cycles += 1
+        with self._counters_lock:
+            self.counters.cycles += 1
+            cycle = self.counters.cycles
         if not tasks:
             return 0
+        ids = [t.task_id for t in tasks]
+        self._track(ids)
+        if self.stop_event.is_set():  # a drain began while this lease was on the wire
+            self.return_tasks(ids, why="draining: leased, not started", client=client)
+            return 0
+        try:
+            return self._run_leased(tasks, cycle, client)
+        except Exception:  # e.g. a weight download or the dataflow failing mid-cycle
+            self.return_tasks(ids, why="the cycle failed", client=client)  # those still held
+            raise
+
+    def _run_leased(self, tasks: list, cycle: int, client: Any) -> int:
+        """Run and push the tasks one lease brought; every task leaves the in-flight set."""
         wf = self.config.workflow
         name = getattr(wf, "name", "")
         runnable = [t for t in tasks if not name or t.workflow == name]
         if len(runnable) < len(tasks):
-            skipped = len(tasks) - len(runnable)
-            self.counters.unsupported_tasks += skipped
-            log.error("%d leased task(s) want a workflow other than %r; left to expire",
-                      skipped, name)
+            other = [t.task_id for t in tasks if t not in runnable]
+            self.counters.unsupported_tasks += len(other)
+            log.error("%d leased task(s) want a workflow other than %r; returned for an "
+                      "instance that runs theirs", len(other), name)
+            self.return_tasks(other, why=f"workflow is not {name!r}", client=client)
         if not runnable:
             return 0
         self._catch_up(runnable)
@@ -179,27 +328,46 @@ class RaaSService:
             results = wf.run(runnable, self.engines)
         except Exception:
             self.counters.workflow_errors += 1
-            log.exception("workflow failed on %d task(s); their leases will expire and the "
-                          "dataflow re-issues them", len(runnable))
+            log.exception("workflow failed on %d task(s); returned to the dataflow as failed",
+                          len(runnable))
+            self.return_tasks([t.task_id for t in runnable], failed=True,
+                              why="the workflow raised", client=client)
             return 0
         self.counters.generate_s += time.perf_counter() - start
+        if self.config.cycle_delay_s > 0 and self._hard_stop.wait(self.config.cycle_delay_s):
+            return 0  # a hard stop returned these tasks
+        if self._hard_stop.is_set():
+            return 0
         done = 0
         to_push = []
         for task in runnable:
             samples = results.get(task.task_id, [])
             if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
                 self.counters.empty_tasks += 1
+                self._untrack([task.task_id])  # left to expire (returning it would loop on it)
                 continue
             to_push.append((task, samples))
         unreachable = None
         for (task, samples), outcome in zip(to_push, self._push_all(to_push)):
+            self._untrack([task.task_id])
             if isinstance(outcome, Exception):
+                status = _status(outcome)
+                if status in (404, 409, 410):  # unknown / never leased / gone: nothing to retry
+                    with self._counters_lock:
+                        self.counters.pushes_dropped += 1
+                    log.warning("push of task %s dropped: %s (a dataflow restarted on a fresh "
+                                "state no longer knows the task)", task.task_id, outcome)
+                    continue
                 self.counters.push_errors += 1
                 log.error("push of task %s refused: %s", task.task_id, outcome)
-                if not _status(outcome):  # None/0: the dataflow is unreachable
+                if not status:  # None/0: the dataflow is unreachable
                     unreachable = unreachable or outcome
                 continue
             done += 1
+            if not self._first_push_said:
+                self._first_push_said = True
+                since = time.monotonic() - (self._ready_at or self._started)
+                self.say(f"raas first push: lease cycle {cycle}, {since:.2f}s after ready")
             self.counters.samples_pushed += int(outcome.get("accepted", len(samples)))
             self.counters.duplicate_pushes += bool(outcome.get("duplicate"))
             self.counters.tokens_generated += sum(int(s.loss_mask.sum()) for s in samples)
@@ -217,7 +385,14 @@ class RaaSService:
         retried or reordered push is harmless.
         """
         def one(task, samples, client):
+            seen = self._registrations
             try:
+                return client.push(self.instance_id, task.task_id, samples)
+            except Exception as exc:
+                if not (_status(exc) == 404 and _field(exc) == "instance_id"):
+                    return exc
+            try:  # the dataflow restarted and forgot us: rejoin, then push once more
+                self.rejoin(seen, client, why="push: the dataflow does not know us")
                 return client.push(self.instance_id, task.task_id, samples)
             except Exception as exc:
                 return exc
@@ -277,8 +452,17 @@ class RaaSService:
         code = self._serve_loop(False)
         self.stop_event.set()
         for t in extra:
-            t.join()
+            while t.is_alive() and not self._hard_stop.is_set():
+                t.join(0.2)
+        if self._hard_stop.is_set():  # its own thread returns the tasks, deregisters and exits
+            self._hard_stop_done.wait(HARD_STOP_CALLS_S + 1)
+            self.maybe_progress(force=True)
+            return HARD_STOP_EXIT
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         code = max([code] + self._worker_codes)
+        if code == 0:  # (a dataflow given up on would not answer the goodbye either)
+            self.leave()
         self.maybe_progress(force=True)
         return code
 
@@ -331,7 +515,9 @@ class RaaSService:
                 f" (pause {pause:.2f}s, pulls full={fulls} delta={deltas}"
                 f" full_fallbacks={fallbacks}) | {versions} | errors wf={c.workflow_errors}"
                 f" push={c.push_errors} dataflow={c.dataflow_errors} weights={failures}"
-                f" empty={c.empty_tasks} unsupported={c.unsupported_tasks}")
+                f" empty={c.empty_tasks} unsupported={c.unsupported_tasks}"
+                f" | returned {c.tasks_returned} dropped {c.pushes_dropped} rejoins {c.rejoins}"
+                f" in_flight {self.in_flight_count()}")
 
     def maybe_progress(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -341,11 +527,107 @@ class RaaSService:
 
     # ------------------------------------------------------------------ shutdown
 
-    def request_stop(self, *_: Any) -> None:
-        if self.stop_event.is_set():  # second signal: stop now
-            raise KeyboardInterrupt
-        self.say("raas stopping: finishing the current cycle")
+    def request_stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop request (the SIGTERM / SIGINT handler): the first drains, a second one (or a
+        signal during a drain the dataflow asked for) is a hard stop.
+
+        From a signal the work runs on a short-lived thread: a handler interrupts the main
+        thread anywhere, possibly inside a lock the work needs.
+        """
+        self._signals += 1
+        n = self._signals
+        if signum is None:
+            self._on_stop_request(n, "stop request")
+        else:
+            name = signal.Signals(signum).name
+            threading.Thread(target=self._on_stop_request, args=(n, name), daemon=True,
+                             name="raas-signal").start()
+
+    def _on_stop_request(self, n: int, name: str) -> None:
+        if n > 1 or self.draining:
+            self.hard_stop(f"{name} during a drain")
+        else:
+            self.drain(name)
+
+    def drain(self, reason: str) -> None:
+        """Stop leasing; the cycles in flight finish and push, then :meth:`leave` runs.
+
+        Idempotent (the heartbeat repeats the dataflow's request). After ``drain_timeout_s``
+        a drain that has not finished becomes a hard stop.
+        """
+        with self._state_lock:
+            if self.draining:
+                return
+            self.draining, self.drain_reason = True, reason
+        self.say(f"raas stopping (drain: {reason}): finishing {self.in_flight_count()} in-flight "
+                 f"task(s), then returning what is left and deregistering")
         self.stop_event.set()
+        timer = threading.Timer(self.config.drain_timeout_s, self.hard_stop,
+                                args=(f"the drain outlasted drain_timeout_s="
+                                      f"{self.config.drain_timeout_s:g}",))
+        timer.daemon = True
+        self._drain_timer = timer
+        timer.start()
+
+    def hard_stop(self, reason: str) -> None:
+        """Return every in-flight task, deregister and exit ``HARD_STOP_EXIT`` now.
+
+        The calls run on their own thread (a signal handler must not wait on locks the
+        interrupted thread may hold) and are given ``HARD_STOP_CALLS_S``; then the process
+        exits without waiting for generations in flight (their results are no longer ours).
+        """
+        with self._state_lock:
+            if self._hard_stop.is_set():
+                return
+            self._hard_stop.set()
+            self.draining = True
+        self.stop_event.set()
+        self.say(f"raas hard stop ({reason}): returning {self.in_flight_count()} in-flight "
+                 f"task(s), deregistering, exiting {HARD_STOP_EXIT}")
+        threading.Thread(target=self._hard_stop_thread, name="raas-hard-stop", daemon=True).start()
+
+    def _hard_stop_thread(self) -> None:
+        calls = threading.Thread(target=self._goodbye, args=(True,), name="raas-goodbye",
+                                 daemon=True)
+        calls.start()
+        calls.join(HARD_STOP_CALLS_S)
+        self.maybe_progress(force=True)
+        self._hard_stop_done.set()
+        self._exit(HARD_STOP_EXIT)
+
+    def leave(self) -> None:
+        """Leave the pool cleanly: stop heartbeats, return what is still held, deregister."""
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
+        self._goodbye()
+
+    def _goodbye(self, own_client: bool = False) -> None:
+        """Return what is still held and deregister, once. ``own_client``: on a thread of its
+        own (hard stop), with a client of its own."""
+        with self._state_lock:
+            if self._left or self.instance_id is None or self.client is None:
+                return
+            self._left = True
+        self._heartbeat_stop.set()
+        client = self.client_factory() if own_client else self.client
+        if isinstance(getattr(client, "retry_s", None), (int, float)):
+            client.retry_s = min(client.retry_s, GOODBYE_RETRY_S)  # the process is ending
+        try:
+            held = self.in_flight_ids()
+            returned = self.return_tasks(held, why="leaving the pool", client=client) if held else 0
+            try:
+                reply = client.deregister(self.instance_id)
+            except Exception as exc:
+                log.warning("deregister failed: %s (the dataflow will see the instance go quiet "
+                            "and re-issue its leases when they expire)", exc)
+                return
+            released = reply.get("returned", 0) if isinstance(reply, dict) else 0
+            self.say(f"raas left the pool: instance={self.instance_id} returned={returned}"
+                     f" released_by_dataflow={released}")
+        finally:
+            if own_client and client is not self.client:
+                client.close()
 
     def write_held_weights_report(self, path: str) -> dict:
         """Write what each engine holds (read back from the engine) next to what it should hold.
@@ -395,6 +677,9 @@ class RaaSService:
 
     def close(self) -> None:
         self.stop_event.set()
+        self._heartbeat_stop.set()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         for sync in self.syncs.values():
             sync.close()  # stops its thread; the shadow copy stays readable
         if self.config.held_weights_report and self.engines:
@@ -420,6 +705,7 @@ class RaaSService:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astralight raas serve``; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat and lease
     try:
         config = parse_config(argv)
     except ValueError as exc:
@@ -438,7 +724,9 @@ def main(argv: list[str] | None = None) -> int:
         service.start()
         signal.signal(signal.SIGTERM, service.request_stop)
         signal.signal(signal.SIGINT, service.request_stop)
-        return service.serve()
+        code = service.serve()
+        service.say(f"raas exit {code}")
+        return code
     finally:
         service.close()
 

@@ -220,19 +220,52 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         model_ids = field(msg, "model_ids", list)
         if not all(isinstance(m, str) for m in model_ids):
             raise ProtocolError("model_ids", "must be a list of strings")
+        units = float(field(msg, "capacity_units", (int, float), 1.0))
+        if not 0 < units < 1e6:
+            raise ProtocolError("capacity_units", f"must be > 0 (GPUs or CPU slots), got {units}")
         return core.register(model_ids, field(msg, "capacity", int, 1),
-                             field(msg, "instance_id", str, None), field(msg, "meta", dict, {}))
+                             field(msg, "instance_id", str, None), field(msg, "meta", dict, {}),
+                             capacity_units=units)
 
     @app.post("/v1/register")
     async def register(request: Request):
         return msgpack_response(await run_in_threadpool(_register, await read_body(request, limit)))
 
     def _heartbeat(data: bytes) -> dict:
-        return core.heartbeat(field(decode_map(data, limit), "instance_id", str))
+        msg = decode_map(data, limit)
+        in_flight = field(msg, "in_flight", int, None)
+        if in_flight is not None and in_flight < 0:
+            raise ProtocolError("in_flight", f"must be >= 0 tasks, got {in_flight}")
+        return core.heartbeat(field(msg, "instance_id", str), in_flight)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request):
         return msgpack_response(await run_in_threadpool(_heartbeat, await read_body(request, limit)))
+
+    @app.post("/v1/instances/{instance_id}/drain")
+    async def drain(instance_id: str):
+        return msgpack_response(await run_in_threadpool(core.drain, instance_id))
+
+    def _return(data: bytes) -> dict:
+        msg = decode_map(data, limit)
+        task_ids = field(msg, "task_ids", list)
+        for i, t in enumerate(task_ids):
+            if not isinstance(t, str):
+                raise ProtocolError(f"task_ids[{i}]", f"expected str, got {type(t).__name__}")
+        return core.return_tasks(field(msg, "instance_id", str), task_ids,
+                                 field(msg, "failed", bool, False))
+
+    @app.post("/v1/return")
+    async def return_tasks(request: Request):
+        return msgpack_response(await run_in_threadpool(_return, await read_body(request, limit)))
+
+    def _deregister(data: bytes) -> dict:
+        return core.deregister(field(decode_map(data, limit), "instance_id", str))
+
+    @app.post("/v1/deregister")
+    async def deregister(request: Request):
+        return msgpack_response(await run_in_threadpool(_deregister,
+                                                        await read_body(request, limit)))
 
     def _lease(data: bytes) -> dict:
         msg = decode_map(data, limit)

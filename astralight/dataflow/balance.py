@@ -11,8 +11,18 @@ and the three-zone decision of ARCHITECTURE.md ("Elasticity and the balance repo
   ``min(G, ceil(G * consumed / accepted * rho))``;
 - otherwise ``hold`` at ``G``.
 
-Pure functions over the per-version counters (``Store.version_counters``), so the same numbers
-serve the route, a text file and TensorBoard.
+The report also says how long the window took and what the pool delivered in it:
+
+- ``wall_s``: from the publication of the window's first version to that of the next version
+  after its last (:func:`window_wall_s`; the current version's window is still open: until now);
+- ``eval_s``: the lease->push seconds of the eval tasks finished in the window (rollout time
+  that went to held-out evaluation instead of training data);
+- ``rates``: produced / accepted / consumed / stale per second of ``wall_s``;
+- ``capacity_units`` (GPUs or CPU slots of the live instances) and
+  ``throughput_per_capacity_unit`` = produced / ``wall_s`` / ``capacity_units``.
+
+Pure functions over the per-version counters (``Store.version_counters``) and publication times,
+so the same numbers serve the route, a text file and TensorBoard.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from dataclasses import asdict, dataclass
 #: the counters a window sums (names as in the dataflow's per-version counters)
 WINDOW_COUNTERS = ("rollouts_generated", "samples_accepted", "samples_trained", "stale_dropped",
                    "groups_filtered", "samples_filtered", "trainer_wait_ms", "trainer_step_ms",
-                   "trainer_steps_timed")
+                   "trainer_steps_timed", "eval_task_ms")
 
 
 @dataclass
@@ -56,9 +66,34 @@ def decide(pool: int, wait_fraction: float, consumed: int, accepted: int,
     return Decision("hold", pool, pool, f"trainer waited {w:.1%}: within the target band")
 
 
+def window_wall_s(published: dict[int, float], first: int, last: int, started_at: float,
+                  now: float) -> float:
+    """Wall seconds of versions ``first..last``: from the publication of ``first`` to that of
+    the next published version after ``last`` (or ``now`` while there is none).
+
+    ``published`` maps version -> publication time; a version never published (a publisher
+    that fell behind skips versions) starts when the newest version before it was published,
+    and version 0, never published, when the service first started (``started_at``).
+    """
+    before = [v for v in published if v <= first]
+    start = published[max(before)] if before else started_at
+    after = [v for v in published if v > last]
+    end = published[min(after)] if after else now
+    return max(0.0, end - start)
+
+
+def _per_s(count: float, wall_s: float | None) -> float | None:
+    return round(count / wall_s, 4) if wall_s else None
+
+
 def window_report(per_version: dict[int, dict[str, int]], first: int, last: int, pool: int,
+                  wall_s: float | None = None, capacity_units: float | None = None,
                   **thresholds: float) -> dict:
-    """The report for versions ``first..last`` (inclusive) of one policy's per-version counters."""
+    """The report for versions ``first..last`` (inclusive) of one policy's per-version counters.
+
+    ``wall_s``: the window's wall time (:func:`window_wall_s`); ``capacity_units``: of the live
+    pool. Rates and the throughput per capacity unit are None without them (or when zero).
+    """
     if last < first:
         raise ValueError(f"window: last version {last} before first {first}")
     sums = dict.fromkeys(WINDOW_COUNTERS, 0)
@@ -69,17 +104,24 @@ def window_report(per_version: dict[int, dict[str, int]], first: int, last: int,
     w = wait_s / step_s if step_s > 0 else 0.0
     decision = decide(pool, w, sums["samples_trained"], sums["samples_accepted"], **thresholds)
     steps = sums["trainer_steps_timed"]
+    counts = {"produced": sums["rollouts_generated"], "accepted": sums["samples_accepted"],
+              "consumed": sums["samples_trained"], "stale": sums["stale_dropped"]}
+    per_unit = None
+    if wall_s and capacity_units:
+        per_unit = round(counts["produced"] / wall_s / capacity_units, 4)
     return {
         "versions": [first, last],
+        "wall_s": round(wall_s, 3) if wall_s is not None else None,
+        "eval_s": round(sums["eval_task_ms"] / 1000.0, 3),
         "wait_fraction": round(w, 4),
         "trainer_step_s": round(step_s, 3),
         "trainer_wait_s": round(wait_s, 3),
         "mean_step_s": round(step_s / steps, 4) if steps else None,
         "mean_wait_s": round(wait_s / steps, 4) if steps else None,
-        "produced": sums["rollouts_generated"],
-        "accepted": sums["samples_accepted"],
-        "consumed": sums["samples_trained"],
-        "stale": sums["stale_dropped"],
+        **counts,
         "filtered": sums["samples_filtered"],
+        "rates": {k: _per_s(n, wall_s) for k, n in counts.items()},
+        "capacity_units": round(capacity_units, 4) if capacity_units is not None else None,
+        "throughput_per_capacity_unit": per_unit,
         "decision": asdict(decision),
     }

@@ -44,7 +44,8 @@ class DataflowUnreachable(DataflowError):
 class DataflowClient:
     """The one way components talk to the dataflow service (msgpack over HTTP).
 
-    RaaS: register, heartbeat, lease, push. Trainers: pull_batch, ack, upload_weight_file, publish.
+    RaaS: register, heartbeat, lease, push, return_tasks, deregister (and drain, for operators and
+    the autoscaler). Trainers: pull_batch, ack, upload_weight_file, publish.
     Everyone: info, stats, eval_results, current_version, manifests and weight downloads.
     Connection failures are retried with backoff for ``retry_s`` (a restarting service is waited
     for); an HTTP error answer raises :class:`DataflowError` with the server's message and field.
@@ -132,12 +133,34 @@ class DataflowClient:
         return {int(v): c for v, c in data["versions"].items()}
 
     def register(self, model_ids: list[str], capacity: int, instance_id: str | None = None,
-                 meta: dict | None = None) -> dict:
+                 meta: dict | None = None, capacity_units: float = 1.0) -> dict:
+        """Join the pool (``capacity``: most tasks at once; ``capacity_units``: GPUs or CPU slots).
+        Registering a known ``instance_id`` again makes it active, its counters kept."""
         return self._call("POST", "/v1/register", {"model_ids": list(model_ids), "capacity": capacity,
-                                                   "instance_id": instance_id, "meta": meta or {}})
+                                                   "instance_id": instance_id, "meta": meta or {},
+                                                   "capacity_units": float(capacity_units)})
 
-    def heartbeat(self, instance_id: str) -> dict:
-        return self._call("POST", "/v1/heartbeat", {"instance_id": instance_id})
+    def heartbeat(self, instance_id: str, in_flight: int | None = None) -> dict:
+        """Renew; the reply's ``drain`` says the dataflow wants this instance to drain."""
+        body: dict = {"instance_id": instance_id}
+        if in_flight is not None:
+            body["in_flight"] = int(in_flight)
+        return self._call("POST", "/v1/heartbeat", body)
+
+    def drain(self, instance_id: str) -> dict:
+        """Ask an instance to drain: no new tasks, its heartbeat replies ``drain=True``.
+        Returns ``{instance_id, state, in_flight}``."""
+        return self._call("POST", f"/v1/instances/{instance_id}/drain")
+
+    def return_tasks(self, instance_id: str, task_ids: list[str], failed: bool = False) -> dict:
+        """Hand back leased tasks not pushed (leasable again at once); ``failed``: they could
+        not be run (counts against the instance's health). Returns ``{"returned": n}``."""
+        return self._call("POST", "/v1/return", {"instance_id": instance_id,
+                                                 "task_ids": list(task_ids), "failed": bool(failed)})
+
+    def deregister(self, instance_id: str) -> dict:
+        """Leave the pool, returning every task still leased. Returns ``{"returned": n}``."""
+        return self._call("POST", "/v1/deregister", {"instance_id": instance_id})
 
     def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
         out = self._call("POST", "/v1/lease", {"instance_id": instance_id, "max_tasks": max_tasks})

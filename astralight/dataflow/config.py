@@ -78,7 +78,15 @@ class DataflowConfig:
         workflow: workflow name written into each task for the RaaS.
         source: train prompt source ``{class_path, init_args}`` (a PromptSource).
         group_size: samples per train task (the group of the group-normalised advantage).
-        lease_seconds: a leased task not pushed within this is re-issued.
+        lease_seconds: a leased task not pushed within this is re-issued (and counts as a
+            failure of the instance that held it). Also the membership clock: an instance silent
+            for half of it is ``suspect``, for all of it ``gone``.
+        suspect_failures: an instance whose last this many tasks failed (expired leases, tasks
+            returned as failed) is ``suspect`` and leases one task at a time (a probe) until a
+            push succeeds.
+        slow_factor: an instance whose mean lease->push time exceeds this many times the pool
+            median (both over at least 3 tasks) is slow: it holds at most
+            ``max(1, ceil(capacity / ratio))`` tasks at once.
         max_staleness: serve only samples at most this many versions behind the current one.
         queue_order: serving order of the fresh queues: ``fifo`` (ingest order), ``edf`` (oldest
             behaviour version first), a list of queue-order plugins composed lexicographically
@@ -136,6 +144,8 @@ class DataflowConfig:
     source: dict = field(default_factory=_default_source)
     group_size: int = 8
     lease_seconds: float = 60.0
+    suspect_failures: int = 3
+    slow_factor: float = 3.0
     max_staleness: int = 4
     queue_order: Union[str, list[Union[str, dict]], dict[str, Union[str, list[Union[str, dict]]]]] = "fifo"
     max_buffered_samples: int = 512
@@ -198,6 +208,11 @@ class DataflowConfig:
         if self.mode == "sync" and self.sync_batch_size > self.max_buffered_samples:
             raise ValueError(f"sync_batch_size: {self.sync_batch_size} exceeds "
                              f"max_buffered_samples={self.max_buffered_samples}; raise that")
+        if self.suspect_failures < 1:
+            raise ValueError(f"suspect_failures: must be >= 1 failed tasks, got {self.suspect_failures}")
+        if not self.slow_factor >= 1.0:
+            raise ValueError(f"slow_factor: must be >= 1 (times the pool median task time), got "
+                             f"{self.slow_factor}")
         if self.curator_max_skips < 0:
             raise ValueError(f"curator_max_skips: must be >= 0 (0: one pass over the source), "
                              f"got {self.curator_max_skips}")

@@ -1,9 +1,10 @@
 """The dataflow service's state machine, independent of HTTP.
 
 :class:`Dataflow` owns the prompt sources, task leases, fresh queues, served batches, policy
-versions, weight files, eval scheduling and the data algorithms (prompt curators before rollout,
-sample filters after it, replay at serving, queue orders), and keeps all of it durable in a
-:class:`Store`. The data algorithms are plugins (``astralight.dataflow.plugins``): this module
+versions, weight files, eval scheduling, the RaaS pool (membership, health and lease allowances,
+:mod:`astralight.dataflow.membership`; the balance report, :mod:`astralight.dataflow.balance`)
+and the data algorithms (prompt curators before rollout, sample filters after it, replay at
+serving, queue orders), and keeps all of it durable in a :class:`Store`. The data algorithms are plugins (``astralight.dataflow.plugins``): this module
 only calls their hooks, counts what they decide and persists their state. Every
 public method is one request: it takes the lock, does its work in one SQLite transaction and
 returns plain data, raising :class:`ServiceError` (a 4xx naming the field) for a bad request.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from astralight.dataflow import balance, evals
+from astralight.dataflow import balance, evals, membership
 from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.plugins import DataPlugin, PromptOutcome
@@ -50,7 +51,9 @@ COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_r
             "groups_filtered", "samples_filtered", "replay_added", "replay_evicted",
             "replay_stale_dropped", "replay_exhausted", "replay_served", "samples_trained",
             # trainer timings reported with acks (balance report)
-            "trainer_wait_ms", "trainer_step_ms", "trainer_steps_timed")
+            "trainer_wait_ms", "trainer_step_ms", "trainer_steps_timed",
+            # pool membership: tasks a RaaS handed back; lease->push time of finished eval tasks
+            "tasks_returned", "eval_task_ms")
 #: the generic curator safety valve never scans more than this many prompts for one task
 MAX_CURATOR_SKIPS = 10_000
 
@@ -104,6 +107,11 @@ class Dataflow:
         self.weights.purge_trash()
         self.gc_weights()
         with self.store.tx():
+            # version 0's "publication": when this state folder first served (balance wall time)
+            self.started_at = self.store.get_meta("started_at")
+            if self.started_at is None:
+                self.started_at = self.store.first_activity() or time.time()
+                self.store.set_meta("started_at", self.started_at)
             for m in self.model_ids:  # version 0 at a fresh start; any version a crash left unscheduled
                 self._maybe_schedule_eval(m, self.versions[m], time.time())
         log.info("dataflow state in %s: versions %s, queued %s, open train tasks %d",
@@ -235,7 +243,8 @@ class Dataflow:
         return {"service": "astralight-dataflow", "schema": SCHEMA_VERSION,
                 "model_ids": self.model_ids, "versions": dict(self.versions),
                 "workflow": cfg.workflow, "group_size": cfg.group_size,
-                "lease_seconds": cfg.lease_seconds, "max_staleness": cfg.max_staleness,
+                "lease_seconds": cfg.lease_seconds, "suspect_failures": cfg.suspect_failures,
+                "slow_factor": cfg.slow_factor, "max_staleness": cfg.max_staleness,
                 "queue_order": cfg.queue_order, "max_buffered_samples": cfg.max_buffered_samples,
                 "data_plugins": {name: type(p).__name__ for name, p in self.named_plugins().items()},
                 "replay": {"ratio": cfg.replay.ratio, "max_staleness": cfg.replay.max_staleness,
@@ -248,35 +257,115 @@ class Dataflow:
     # ------------------------------------------------------------------ RaaS side
 
     def register(self, model_ids: list[str], capacity: int, instance_id: str | None,
-                 meta: dict) -> dict:
+                 meta: dict, capacity_units: float = 1.0, now: float | None = None) -> dict:
+        """Add an instance to the pool, or make a known one ``active`` again (after a restart of
+        either side, a drain or a deregister) keeping its counters."""
         if not model_ids:
             raise ServiceError(422, "model_ids", "must list the model_ids this instance serves")
         for m in model_ids:
             self._model(m, "model_ids")
         if capacity < 0:
             raise ServiceError(422, "capacity", "must be >= 0")
+        if not (isinstance(capacity_units, (int, float)) and 0 < capacity_units < 1e6):
+            raise ServiceError(422, "capacity_units", f"must be > 0 (GPUs or CPU slots), got "
+                                                      f"{capacity_units!r}")
         instance_id = instance_id or f"raas-{uuid.uuid4().hex[:12]}"
+        now = time.time() if now is None else now
         with self.lock, self.store.tx():
-            self.store.upsert_instance(instance_id, list(model_ids), capacity, meta, time.time())
-        log.info("instance %s registered for %s (capacity %d)", instance_id, model_ids, capacity)
+            known = self.store.instance(instance_id) is not None
+            self.store.upsert_instance(instance_id, list(model_ids), capacity, meta, now,
+                                       float(capacity_units), self.config.lease_seconds)
+        log.info("instance %s %s for %s (capacity %d, %g capacity units)", instance_id,
+                 "registered again" if known else "registered", model_ids, capacity,
+                 capacity_units)
         return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
                 "versions": dict(self.versions)}
 
-    def heartbeat(self, instance_id: str) -> dict:
+    def heartbeat(self, instance_id: str, in_flight: int | None = None,
+                  now: float | None = None) -> dict:
+        """Renew an instance; ``drain`` in the reply tells a draining (or deregistered) one to
+        finish or return its tasks and deregister."""
+        if in_flight is not None and in_flight < 0:
+            raise ServiceError(422, "in_flight", f"must be >= 0 tasks, got {in_flight}")
+        with self.lock:
+            inst = self._instance(instance_id)
+            with self.store.tx():
+                self.store.touch_instance(instance_id, time.time() if now is None else now)
+                if in_flight is not None:
+                    self.store.set_reported_in_flight(instance_id, int(in_flight))
+            return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
+                    "versions": dict(self.versions),
+                    "drain": inst["state"] in (membership.DRAINING, membership.LEFT)}
+
+    def drain(self, instance_id: str, now: float | None = None) -> dict:
+        """Stop giving ``instance_id`` tasks; its heartbeat replies ``drain=True`` so it finishes
+        or returns what it holds and deregisters. A deregistered instance stays ``left``."""
+        now = time.time() if now is None else now
+        with self.lock:
+            inst = self._instance(instance_id)
+            state = inst["state"]
+            if state == membership.ACTIVE:
+                with self.store.tx():
+                    self.store.set_instance_state(instance_id, membership.DRAINING)
+                state = membership.DRAINING
+                log.info("instance %s draining", instance_id)
+            held = self.store.held_leases(now, instance_id)[instance_id]
+        return {"instance_id": instance_id, "state": state, "in_flight": held}
+
+    def return_tasks(self, instance_id: str, task_ids: list[str], failed: bool = False,
+                     now: float | None = None) -> dict:
+        """Hand back tasks ``instance_id`` leased and did not push: leasable again at once.
+        ``failed``: the instance could not run them (counted against its health); otherwise it
+        just will not (draining, unsupported workflow). Other task ids are ignored."""
+        now = time.time() if now is None else now
         with self.lock:
             self._instance(instance_id)
             with self.store.tx():
-                self.store.touch_instance(instance_id, time.time())
-            return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
-                    "versions": dict(self.versions)}
+                n = self._return(instance_id, task_ids, now)
+                if failed and n:
+                    self.store.instance_failed(instance_id, n)
+                self.store.touch_instance(instance_id, now)
+        if n:
+            log.info("instance %s returned %d task(s)%s", instance_id, n,
+                     " as failed" if failed else "")
+        return {"returned": n}
 
-    def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
-        """Lease up to ``max_tasks``: expired or pending eval tasks, then train tasks, then new ones.
+    def deregister(self, instance_id: str, now: float | None = None) -> dict:
+        """Leave the pool: still-leased tasks become leasable at once, the state ``left``. A later
+        register makes the instance active again."""
+        now = time.time() if now is None else now
+        with self.lock:
+            self._instance(instance_id)
+            with self.store.tx():
+                n = self._return(instance_id, None, now)
+                self.store.touch_instance(instance_id, now)
+                self.store.set_instance_state(instance_id, membership.LEFT, now)
+        log.info("instance %s deregistered (%d task(s) returned)", instance_id, n)
+        return {"returned": n}
 
-        A task whose lease expired is handed out again (once per expiry: the new lease has a new
-        deadline); new train tasks are drawn from the source only while fewer than
-        ``max_inflight_tasks`` are open and some policy's queue plus what the open tasks will
-        deliver stays under ``max_buffered_samples``.
+    def _return(self, instance_id: str, task_ids: list[str] | None, now: float) -> int:
+        """Inside the caller's transaction: return tasks (see :meth:`Store.return_tasks`) and
+        count them per instance and per policy."""
+        ids = self.store.return_tasks(instance_id, task_ids, now)
+        if ids:
+            self.store.instance_returned(instance_id, len(ids))
+            for tid in ids:
+                for m in json.loads(self.store.task(tid)["model_ids"]):
+                    if m in self.queues:
+                        self._bump(m, "tasks_returned")
+        return len(ids)
+
+    def lease(self, instance_id: str, max_tasks: int, now: float | None = None) -> list[Task]:
+        """Lease up to ``max_tasks``: returned, expired or pending eval tasks, then train tasks,
+        then new ones.
+
+        The instance gets at most its allowance (:func:`membership.lease_allowance`: free
+        capacity, nothing while draining, a probe while failing, fewer when slow). A task whose
+        lease expired is handed out again (once per expiry: the new lease has a new deadline),
+        and the expiry counts as a failure of the instance that held it; new train tasks are
+        drawn from the source only while fewer than ``max_inflight_tasks`` are open and some
+        policy's queue plus what the open tasks will deliver stays under
+        ``max_buffered_samples``.
         """
         if not 0 <= max_tasks <= MAX_LEASE_TASKS:
             raise ServiceError(422, "max_tasks", f"must be in [0, {MAX_LEASE_TASKS}]")
@@ -284,7 +373,8 @@ class Dataflow:
         with self.lock:
             inst = self._instance(instance_id)
             served = set(json.loads(inst["model_ids"]))
-            now = time.time()
+            now = time.time() if now is None else now
+            max_tasks = self._allowance(inst, max_tasks, now)
             deadline = now + cfg.lease_seconds
             out: list[Task] = []
             with self.store.tx():
@@ -295,18 +385,39 @@ class Dataflow:
                         if len(out) >= max_tasks:
                             break
                         if set(json.loads(row["model_ids"])) <= served:
-                            out.append(self._issue(row, instance_id, deadline))
+                            out.append(self._issue(row, instance_id, deadline, now))
                 created = 0
                 while (len(out) < max_tasks and set(self.model_ids) <= served
                        and self._may_create_train_task(self.open_train + created)):
                     row = self._create_train_task(now)
                     created += 1
-                    out.append(self._issue(row, instance_id, deadline))
+                    out.append(self._issue(row, instance_id, deadline, now))
                 self.store.touch_instance(instance_id, now, leased=len(out))
                 if created:
                     self._maybe_save_plugin_state(now)
             self.open_train += created
             return out
+
+    def _allowance(self, inst, requested: int, now: float) -> int:
+        """How many of ``requested`` tasks the instance may lease now (see
+        :func:`membership.lease_allowance`); the pool median is over the live instances."""
+        if requested == 0 or inst["state"] != membership.ACTIVE:
+            return 0
+        cfg = self.config
+        held = self.store.held_leases(now, inst["instance_id"])[inst["instance_id"]]
+        median = None
+        if inst["tasks_timed"] >= membership.MIN_TIMED_TASKS:  # only then can it be slow
+            median = membership.pool_median(
+                (membership.mean_task_s(r["busy_s"], r["tasks_timed"]), r["tasks_timed"])
+                for r in self.store.instances()
+                if membership.is_live(r["state"], now - r["last_seen"], cfg.lease_seconds)
+                or r["instance_id"] == inst["instance_id"])
+        return membership.lease_allowance(
+            requested, capacity=inst["capacity"], held=held, state=inst["state"],
+            fail_streak=inst["fail_streak"],
+            mean_s=membership.mean_task_s(inst["busy_s"], inst["tasks_timed"]),
+            tasks_timed=inst["tasks_timed"], median_s=median,
+            suspect_failures=cfg.suspect_failures, slow_factor=cfg.slow_factor)
 
     def _may_create_train_task(self, open_train: int) -> bool:
         cfg = self.config
@@ -375,28 +486,37 @@ class Dataflow:
             self._bump(m, "prompts_submitted")
         return self.store.task(task.task_id)
 
-    def _issue(self, row, instance_id: str, deadline: float) -> Task:
+    def _issue(self, row, instance_id: str, deadline: float, now: float) -> Task:
         task: Task = decode(bytes(row["payload"]))
         task.lease_deadline = deadline
-        self.store.mark_leased(row["task_id"], instance_id, deadline)
+        expired = row["state"] == "leased"  # leasable and leased: its deadline passed
+        if expired and row["instance_id"]:  # before mark_leased overwrites the holder
+            self.store.instance_failed(row["instance_id"])
+        self.store.mark_leased(row["task_id"], instance_id, deadline, now)
         prefix = "eval_" if row["kind"] == "eval" else ""
         name = "tasks_reissued" if row["lease_count"] > 0 else "tasks_issued"
         for m in json.loads(row["model_ids"]):
             self._bump(m, prefix + name)
         if row["lease_count"] > 0:
-            log.info("re-issued %s to %s (lease %d expired)", row["task_id"], instance_id,
-                     row["lease_count"])
+            log.info("re-issued %s to %s (%s)", row["task_id"], instance_id,
+                     f"lease {row['lease_count']} of {row['instance_id']} expired" if expired
+                     else f"returned by {row['instance_id']}")
         return task
 
-    def push(self, instance_id: str, task_id: str, samples: list[Sample]) -> dict:
-        """Accept a task's samples once; later pushes of the same task are ignored (duplicate)."""
+    def push(self, instance_id: str, task_id: str, samples: list[Sample],
+             now: float | None = None) -> dict:
+        """Accept a task's samples once; later pushes of the same task are ignored (duplicate).
+
+        The first push is a task done by the pusher (its fail streak reset); when the pusher held
+        the lease, its lease->push seconds count as its busy time and, for an eval task, as eval
+        time of the policies at their current versions (``eval_task_ms``, the balance report)."""
         with self.lock:
             self._instance(instance_id)
             row = self.store.task(task_id)
             if row is None:
                 raise ServiceError(404, "task_id", f"unknown task {task_id!r}")
             model_ids = json.loads(row["model_ids"])
-            now = time.time()
+            now = time.time() if now is None else now
             if row["state"] == "done":
                 with self.store.tx():
                     for m in model_ids:
@@ -435,6 +555,14 @@ class Dataflow:
                         self._bump(m, name, k)
                 self.store.mark_done(task_id, now)
                 self.store.touch_instance(instance_id, now, pushed=len(samples))
+                busy = None
+                if row["instance_id"] == instance_id and row["leased_at"] is not None:
+                    busy = max(0.0, now - row["leased_at"])
+                self.store.instance_done(instance_id, busy)
+                if row["kind"] == "eval" and busy is not None:
+                    for m in model_ids:
+                        if m in self.queues:
+                            self._bump(m, "eval_task_ms", round(1000 * busy))
                 self._maybe_save_plugin_state(now)
             # committed: only now does the in-memory state follow
             if row["kind"] == "train":
@@ -832,23 +960,17 @@ class Dataflow:
 
     # ------------------------------------------------------------------ observation
 
-    def instance_status(self, idle_s: float) -> str:
-        """``healthy`` (seen within half a lease period: heartbeats come every third), ``suspect``
-        (missed heartbeats, its leases still valid) or ``gone`` (silent for a whole lease period:
-        its leases have expired and are re-issued)."""
-        lease = self.config.lease_seconds
-        return "healthy" if idle_s <= lease / 2 else "suspect" if idle_s <= lease else "gone"
+    def instance_status(self, idle_s: float, state: str = membership.ACTIVE,
+                        fail_streak: int = 0) -> str:
+        """:func:`membership.status` with this service's lease period and failure threshold."""
+        return membership.status(state, idle_s, fail_streak, self.config.lease_seconds,
+                                 self.config.suspect_failures)
 
     def _instance_table(self, now: float) -> list[dict]:
-        """Registered RaaS instances with their status and share of the samples pushed."""
-        rows = self.store.instances()
-        total = sum(r["samples_pushed"] for r in rows) or 1
-        return [{"instance_id": r["instance_id"], "model_ids": json.loads(r["model_ids"]),
-                 "capacity": r["capacity"], "last_seen": r["last_seen"],
-                 "idle_s": round(now - r["last_seen"], 3),
-                 "status": self.instance_status(now - r["last_seen"]),
-                 "tasks_leased": r["tasks_leased"], "samples_pushed": r["samples_pushed"],
-                 "throughput_share": round(r["samples_pushed"] / total, 4)} for r in rows]
+        """Registered RaaS instances (:func:`membership.instance_table`): capacity, state and
+        status, held leases, task and sample counts, share of the samples pushed."""
+        return membership.instance_table(self.store.instances(), now, self.store.held_leases(now),
+                                         self.config.lease_seconds, self.config.suspect_failures)
 
     def version_counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
         """Counters of ``model_id`` per policy version: what happened while version v was current
@@ -857,23 +979,31 @@ class Dataflow:
         with self.lock:
             return self.store.version_counters(model_id, since)
 
-    def balance(self, model_id: str, window: int = 10, pool: int | None = None) -> dict:
+    def balance(self, model_id: str, window: int = 10, pool: int | None = None,
+                now: float | None = None) -> dict:
         """The balance report over the last ``window`` completed versions of ``model_id``
-        (:mod:`astralight.dataflow.balance`) with the instance table; ``pool`` defaults to the
-        instances not ``gone``."""
+        (:mod:`astralight.dataflow.balance`) with the instance table. ``pool`` (G) defaults to
+        the live instances (not gone or left), whose capacity units normalise the throughput;
+        the wall time runs from the publication of the window's first version (version 0: when
+        the state folder first served) to that of the next version after it, or now."""
         self._model(model_id)
         if window < 1:
             raise ServiceError(422, "window", f"must be >= 1 versions, got {window}")
+        if pool is not None and pool < 0:
+            raise ServiceError(422, "pool", f"must be >= 0 instances, got {pool}")
         with self.lock:
             current = self.versions[model_id]
             last = max(current - 1, 0)
             first = max(last - window + 1, 0)
-            now = time.time()
+            now = time.time() if now is None else now
             table = self._instance_table(now)
-            live = [r for r in table if r["status"] != "gone"]
+            live = [r for r in table if r["live"]]
             counters = self.store.version_counters(model_id, since=first)
+            times = self.store.version_times(model_id)
+        wall = balance.window_wall_s(times, first, last, self.started_at, now)
         report = balance.window_report(counters, first, last,
-                                       pool if pool is not None else len(live))
+                                       pool if pool is not None else len(live), wall_s=wall,
+                                       capacity_units=sum(r["capacity_units"] for r in live))
         report.update(model_id=model_id, current_version=current, live_instances=len(live),
                       instances=table)
         return report
@@ -881,13 +1011,14 @@ class Dataflow:
     def eval_results(self, model_id: str) -> dict[int, dict]:
         self._model(model_id)
         with self.lock:
-            return evals.aggregate(self.store, model_id)
+            return evals.aggregate(self.store, model_id,
+                                   benchmarks=evals.benchmark_map(self.eval_source))
 
-    def stats(self) -> dict:
+    def stats(self, now: float | None = None) -> dict:
         with self.lock:
             counters = self.store.counters()
             outstanding = self.store.outstanding_batches()
-            now = time.time()
+            now = time.time() if now is None else now
             models = {}
             for m in self.model_ids:
                 c = dict.fromkeys(COUNTERS, 0)

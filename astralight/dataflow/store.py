@@ -2,7 +2,8 @@
 
 Everything that must survive ``kill -9`` lives here: tasks and their leases, accepted samples (the
 msgpack-encoded :class:`Sample`), served batches until acknowledged, published versions and their
-manifests, eval reports, counters, the prompt-source cursor and registered instances. The
+manifests and publication times, eval reports, counters, the prompt-source cursor and
+registered instances (their capacity, state and health counters). The
 in-memory fresh queues are a cache rebuilt from the ``samples`` table on start.
 
 ``synchronous=FULL`` makes every commit fsync the WAL, so a push is answered only once its samples
@@ -24,13 +25,19 @@ CREATE TABLE IF NOT EXISTS meta (
 CREATE TABLE IF NOT EXISTS instances (
     instance_id TEXT PRIMARY KEY, model_ids TEXT NOT NULL, capacity INTEGER NOT NULL,
     meta TEXT NOT NULL, registered_at REAL NOT NULL, last_seen REAL NOT NULL,
-    tasks_leased INTEGER NOT NULL DEFAULT 0, samples_pushed INTEGER NOT NULL DEFAULT 0);
+    tasks_leased INTEGER NOT NULL DEFAULT 0, samples_pushed INTEGER NOT NULL DEFAULT 0,
+    capacity_units REAL NOT NULL DEFAULT 1.0, state TEXT NOT NULL DEFAULT 'active', left_at REAL,
+    alive_prior_s REAL NOT NULL DEFAULT 0, tasks_done INTEGER NOT NULL DEFAULT 0,
+    tasks_failed INTEGER NOT NULL DEFAULT 0, tasks_returned INTEGER NOT NULL DEFAULT 0,
+    fail_streak INTEGER NOT NULL DEFAULT 0, busy_s REAL NOT NULL DEFAULT 0,
+    tasks_timed INTEGER NOT NULL DEFAULT 0, reported_in_flight INTEGER);
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL UNIQUE, kind TEXT NOT NULL,
     model_ids TEXT NOT NULL, target_model TEXT, eval_version INTEGER, prompt_index INTEGER,
     payload BLOB NOT NULL, state TEXT NOT NULL, instance_id TEXT, deadline REAL,
-    lease_count INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, done_at REAL);
+    lease_count INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, done_at REAL, leased_at REAL);
 CREATE INDEX IF NOT EXISTS tasks_open ON tasks(kind, state, seq);
+CREATE INDEX IF NOT EXISTS tasks_held ON tasks(state, instance_id, deadline);
 CREATE TABLE IF NOT EXISTS samples (
     id INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, model_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL, min_version INTEGER NOT NULL, reward REAL NOT NULL,
@@ -46,6 +53,9 @@ CREATE INDEX IF NOT EXISTS batches_state ON batches(state, served_at);
 CREATE TABLE IF NOT EXISTS versions (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, manifest BLOB NOT NULL,
     published_at REAL NOT NULL, PRIMARY KEY(model_id, version));
+CREATE TABLE IF NOT EXISTS version_times (
+    model_id TEXT NOT NULL, version INTEGER NOT NULL, published_at REAL NOT NULL,
+    PRIMARY KEY(model_id, version));
 CREATE TABLE IF NOT EXISTS eval_runs (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, n_prompts INTEGER NOT NULL,
     k INTEGER NOT NULL, scheduled_at REAL NOT NULL, PRIMARY KEY(model_id, version));
@@ -69,6 +79,23 @@ CREATE TABLE IF NOT EXISTS plugin_state (
     name TEXT PRIMARY KEY, class_path TEXT NOT NULL, state TEXT NOT NULL, saved_at REAL NOT NULL);
 """
 
+#: ``{table: [(column, declaration)]}`` added after release; :meth:`Store._migrate` adds the
+#: ones an older state folder lacks (the CREATE TABLE statements above already have them)
+MIGRATIONS = {
+    "eval_reports": [("n_team_correct", "INTEGER")],
+    "instances": [("capacity_units", "REAL NOT NULL DEFAULT 1.0"),
+                  ("state", "TEXT NOT NULL DEFAULT 'active'"), ("left_at", "REAL"),
+                  ("alive_prior_s", "REAL NOT NULL DEFAULT 0"),
+                  ("tasks_done", "INTEGER NOT NULL DEFAULT 0"),
+                  ("tasks_failed", "INTEGER NOT NULL DEFAULT 0"),
+                  ("tasks_returned", "INTEGER NOT NULL DEFAULT 0"),
+                  ("fail_streak", "INTEGER NOT NULL DEFAULT 0"),
+                  ("busy_s", "REAL NOT NULL DEFAULT 0"),
+                  ("tasks_timed", "INTEGER NOT NULL DEFAULT 0"),
+                  ("reported_in_flight", "INTEGER")],
+    "tasks": [("leased_at", "REAL")],
+}
+
 
 class Store:
     """A SQLite database under ``state_dir``; see the module docstring for what it holds."""
@@ -90,9 +117,15 @@ class Store:
 
     def _migrate(self) -> None:
         """Columns added after a state folder may have been created (additive only)."""
-        cols = {r["name"] for r in self.conn.execute("PRAGMA table_info(eval_reports)")}
-        if "n_team_correct" not in cols:
-            self.conn.execute("ALTER TABLE eval_reports ADD COLUMN n_team_correct INTEGER")
+        for table, columns in MIGRATIONS.items():
+            have = {r["name"] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns:
+                if name not in have:
+                    self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+        # publication times of versions published before version_times existed (those weight
+        # GC has not removed yet); the balance report's wall time needs them
+        self.conn.execute("INSERT OR IGNORE INTO version_times(model_id, version, published_at)"
+                          " SELECT model_id, version, published_at FROM versions")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -172,18 +205,96 @@ class Store:
                                  (instance_id,)).fetchone()
 
     def upsert_instance(self, instance_id: str, model_ids: list[str], capacity: int, meta: dict,
-                        now: float) -> None:
+                        now: float, capacity_units: float = 1.0,
+                        lease_seconds: float | None = None) -> None:
+        """Register a new instance, or reactivate a known one keeping its counters.
+
+        A known instance that left (or went silent for more than ``lease_seconds``) starts a new
+        stint: the time it was alive so far moves to ``alive_prior_s`` and ``registered_at``
+        becomes now, so ``alive_s`` never counts the gap. A quick re-register (a restarted RaaS
+        or dataflow) keeps the stint going.
+        """
+        row = self.instance(instance_id)
+        if row is None:
+            self.conn.execute(
+                "INSERT INTO instances(instance_id, model_ids, capacity, meta, registered_at,"
+                " last_seen, capacity_units, state) VALUES(?, ?, ?, ?, ?, ?, ?, 'active')",
+                (instance_id, json.dumps(model_ids), capacity, json.dumps(meta), now, now,
+                 capacity_units))
+            return
+        prior, start = float(row["alive_prior_s"]), row["registered_at"]
+        if row["state"] == "left" and row["left_at"] is not None:
+            prior, start = prior + max(0.0, row["left_at"] - start), now
+        elif lease_seconds is not None and now - row["last_seen"] > lease_seconds:
+            prior, start = prior + max(0.0, row["last_seen"] - start), now
         self.conn.execute(
-            "INSERT INTO instances(instance_id, model_ids, capacity, meta, registered_at, last_seen)"
-            " VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(instance_id) DO UPDATE SET"
-            " model_ids=excluded.model_ids, capacity=excluded.capacity, meta=excluded.meta,"
-            " last_seen=excluded.last_seen",
-            (instance_id, json.dumps(model_ids), capacity, json.dumps(meta), now, now))
+            "UPDATE instances SET model_ids=?, capacity=?, meta=?, capacity_units=?, last_seen=?,"
+            " state='active', left_at=NULL, registered_at=?, alive_prior_s=? WHERE instance_id=?",
+            (json.dumps(model_ids), capacity, json.dumps(meta), capacity_units, now, start, prior,
+             instance_id))
 
     def touch_instance(self, instance_id: str, now: float, leased: int = 0, pushed: int = 0) -> None:
         self.conn.execute("UPDATE instances SET last_seen=?, tasks_leased=tasks_leased+?,"
                           " samples_pushed=samples_pushed+? WHERE instance_id=?",
                           (now, leased, pushed, instance_id))
+
+    def set_instance_state(self, instance_id: str, state: str, now: float | None = None) -> None:
+        """``draining`` or ``left`` (with ``left_at=now``)."""
+        if state == "left":
+            self.conn.execute("UPDATE instances SET state='left', left_at=? WHERE instance_id=?",
+                              (now, instance_id))
+        else:
+            self.conn.execute("UPDATE instances SET state=? WHERE instance_id=?",
+                              (state, instance_id))
+
+    def set_reported_in_flight(self, instance_id: str, n: int) -> None:
+        self.conn.execute("UPDATE instances SET reported_in_flight=? WHERE instance_id=?",
+                          (n, instance_id))
+
+    def instance_done(self, instance_id: str, busy_s: float | None) -> None:
+        """A successful push: one more task done, the fail streak reset, and (when the pusher
+        held the lease, so lease->push is known) its busy time."""
+        self.conn.execute(
+            "UPDATE instances SET tasks_done=tasks_done+1, fail_streak=0, busy_s=busy_s+?,"
+            " tasks_timed=tasks_timed+? WHERE instance_id=?",
+            (busy_s or 0.0, 1 if busy_s is not None else 0, instance_id))
+
+    def instance_failed(self, instance_id: str, n: int = 1) -> None:
+        """``n`` tasks failed on the instance (lease expired, or returned as failed)."""
+        self.conn.execute("UPDATE instances SET tasks_failed=tasks_failed+?,"
+                          " fail_streak=fail_streak+? WHERE instance_id=?", (n, n, instance_id))
+
+    def instance_returned(self, instance_id: str, n: int) -> None:
+        self.conn.execute("UPDATE instances SET tasks_returned=tasks_returned+? WHERE instance_id=?",
+                          (n, instance_id))
+
+    def held_leases(self, now: float, instance_id: str | None = None) -> dict[str, int]:
+        """Unexpired leases per instance (all instances, or just ``instance_id``)."""
+        if instance_id is not None:
+            n = self.conn.execute("SELECT COUNT(*) FROM tasks WHERE state='leased' AND"
+                                  " instance_id=? AND deadline>?", (instance_id, now)).fetchone()[0]
+            return {instance_id: n}
+        rows = self.conn.execute("SELECT instance_id, COUNT(*) FROM tasks WHERE state='leased'"
+                                 " AND deadline>? GROUP BY instance_id", (now,)).fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    def return_tasks(self, instance_id: str, task_ids: list[str] | None, now: float) -> list[str]:
+        """Make tasks leased by ``instance_id`` (all of them with ``task_ids=None``) and not done
+        leasable at once (state ``pending``, deadline now); returns the ids moved."""
+        if task_ids is None:
+            rows = self.conn.execute("SELECT task_id FROM tasks WHERE state='leased' AND"
+                                     " instance_id=?", (instance_id,)).fetchall()
+            ids = [r[0] for r in rows]
+        else:
+            ids = []
+            for tid in dict.fromkeys(task_ids):  # once each, in order
+                row = self.conn.execute("SELECT state, instance_id FROM tasks WHERE task_id=?",
+                                        (tid,)).fetchone()
+                if row is not None and row["state"] == "leased" and row["instance_id"] == instance_id:
+                    ids.append(tid)
+        self.conn.executemany("UPDATE tasks SET state='pending', deadline=? WHERE task_id=?",
+                              [(now, tid) for tid in ids])
+        return ids
 
     def instances(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM instances ORDER BY registered_at").fetchall()
@@ -208,10 +319,11 @@ class Store:
             "SELECT * FROM tasks WHERE kind=? AND (state='pending' OR (state='leased' AND deadline<?))"
             " ORDER BY seq", (kind, now)).fetchall()
 
-    def mark_leased(self, task_id: str, instance_id: str, deadline: float) -> None:
+    def mark_leased(self, task_id: str, instance_id: str, deadline: float,
+                    now: float | None = None) -> None:
         self.conn.execute("UPDATE tasks SET state='leased', instance_id=?, deadline=?,"
-                          " lease_count=lease_count+1 WHERE task_id=?",
-                          (instance_id, deadline, task_id))
+                          " leased_at=?, lease_count=lease_count+1 WHERE task_id=?",
+                          (instance_id, deadline, now, task_id))
 
     def mark_done(self, task_id: str, now: float) -> None:
         self.conn.execute("UPDATE tasks SET state='done', done_at=? WHERE task_id=?", (now, task_id))
@@ -303,6 +415,20 @@ class Store:
     def insert_version(self, model_id: str, version: int, manifest: bytes, now: float) -> None:
         self.conn.execute("INSERT INTO versions(model_id, version, manifest, published_at)"
                           " VALUES(?, ?, ?, ?)", (model_id, version, manifest, now))
+        self.conn.execute("INSERT OR REPLACE INTO version_times(model_id, version, published_at)"
+                          " VALUES(?, ?, ?)", (model_id, version, now))
+
+    def version_times(self, model_id: str) -> dict[int, float]:
+        """Publication time of every version of ``model_id`` ever published (kept after weight
+        GC forgot the manifest: the balance report's wall time needs them)."""
+        return {r[0]: r[1] for r in self.conn.execute(
+            "SELECT version, published_at FROM version_times WHERE model_id=? ORDER BY version",
+            (model_id,))}
+
+    def first_activity(self) -> float | None:
+        """When the oldest task was created (a start time for a state folder that predates the
+        ``started_at`` meta key)."""
+        return self.conn.execute("SELECT MIN(created) FROM tasks").fetchone()[0]
 
     def latest_versions(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT model_id, MAX(version) FROM versions GROUP BY model_id")

@@ -48,7 +48,7 @@ def test_zero_advantage_groups_never_reach_a_trainer(tmp_path, dataflow_service,
     url, _, _ = dataflow_service(tmp_path, group_size=4, max_inflight_tasks=64,
                                  sample_filters=["zero_advantage"])
     c = client_for(url)
-    iid = c.register(["policy"], 8)["instance_id"]
+    iid = c.register(["policy"], 16)["instance_id"]
     tasks = c.lease(iid, 12)
     patterns = [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]]  # solved, hopeless, informative
     for i, task in enumerate(tasks):
@@ -142,7 +142,7 @@ def test_curator_state_survives_a_service_restart(tmp_path, dataflow_service, cl
                curators=[{"class_path": "greso", "init_args": {"delta_p": 0.1}}])
     url, proc, _ = dataflow_service(tmp_path, **cfg)
     c = client_for(url)
-    iid = c.register(["policy"], 8)["instance_id"]
+    iid = c.register(["policy"], 16)["instance_id"]
     prompts = set()
     for task in c.lease(iid, 16):  # every prompt solved: easy zero-variance streaks
         c.push(iid, task.task_id, make_samples(task, [1, 1, 1, 1]))
@@ -170,7 +170,7 @@ def test_a_curator_defined_in_a_test_file_runs_in_the_service_by_import_path(tmp
         tmp_path, env_extra=env, group_size=2, max_inflight_tasks=64,
         curators=[{"class_path": f"{__name__}.EvenFirstOperand", "init_args": {"parity": 0}}])
     c = client_for(url)
-    iid = c.register(["policy"], 8)["instance_id"]
+    iid = c.register(["policy"], 16)["instance_id"]
     tasks = c.lease(iid, 10)
     assert len(tasks) == 10
     assert all(int(t.prompt.split("+")[0]) % 2 == 0 for t in tasks)

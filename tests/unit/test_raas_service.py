@@ -1,6 +1,7 @@
 """RaaSService's lease cycle against an in-memory dataflow (the HTTP path is covered by
-tests/integration/test_raas_service.py): pushes, counters, eval and sync-round catch-up,
-re-registration."""
+tests/integration/test_raas_service.py and test_raas_membership.py): pushes, counters, eval and
+sync-round catch-up, re-registration; membership: in-flight tracking, drain (signal and the
+dataflow's request), hard stop, returned tasks, rejoin after a 404, dropped pushes."""
 
 from __future__ import annotations
 
@@ -25,35 +26,61 @@ from tests.unit.test_single_turn_workflow import ScriptedEngine
 class NotFound(Exception):
     status = 404
 
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
+
 
 class FakeDataflow(FakeStore):
-    """Register / heartbeat / lease / push in memory, plus FakeStore's weight routes."""
+    """Register / heartbeat / lease / push / return / deregister in memory (the membership
+    half of DataflowClient's contract), plus FakeStore's weight routes."""
 
     def __init__(self, tasks=()):
         super().__init__()
         self.tasks = list(tasks)
         self.pushed = {}
         self.registrations = 0
+        self.register_calls = []  # (instance_id, capacity_units)
         self.forget_instance = False
+        self.leased = []  # every task id ever leased, in order
+        self.returned = []  # (task_id, failed)
+        self.deregistered = []
+        self.heartbeats = []  # in_flight of each heartbeat
+        self.drain_requested = False
+        self.unknown_tasks = set()  # pushes of these answer 404 task_id (a fresh state)
 
-    def register(self, model_ids, capacity, instance_id=None, meta=None):
+    def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0):
         self.registrations += 1
+        self.register_calls.append((instance_id, capacity_units))
         return {"instance_id": instance_id or "i0", "lease_seconds": 30.0}
 
-    def heartbeat(self, instance_id):
-        return {}
+    def heartbeat(self, instance_id, in_flight=None):
+        self.heartbeats.append(in_flight)
+        return {"instance_id": instance_id, "lease_seconds": 30.0,
+                "drain": self.drain_requested}
 
     def lease(self, instance_id, max_tasks):
         if self.forget_instance:
             self.forget_instance = False
-            raise NotFound("unknown instance")
+            raise NotFound("unknown instance", "instance_id")
         out, self.tasks = self.tasks[:max_tasks], self.tasks[max_tasks:]
+        self.leased += [t.task_id for t in out]
         return out
 
     def push(self, instance_id, task_id, samples):
+        if task_id in self.unknown_tasks:
+            raise NotFound(f"unknown task {task_id!r}", "task_id")
         dup = task_id in self.pushed
         self.pushed.setdefault(task_id, samples)
         return {"accepted": 0 if dup else len(samples), "duplicate": dup}
+
+    def return_tasks(self, instance_id, task_ids, failed=False):
+        self.returned += [(t, failed) for t in task_ids]
+        return {"returned": len(task_ids)}
+
+    def deregister(self, instance_id):
+        self.deregistered.append(instance_id)
+        return {"returned": 0}
 
 
 def _service(flow, engine, **overrides):
@@ -131,7 +158,7 @@ def test_a_forgotten_instance_registers_again():
         svc.close()
 
 
-def test_tasks_of_another_workflow_are_not_run():
+def test_tasks_of_another_workflow_are_not_run_but_returned():
     flow = FakeDataflow([_task(0, workflow="multi_turn"), _task(1)])
     svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["1"]))
     svc.start()
@@ -140,6 +167,8 @@ def test_tasks_of_another_workflow_are_not_run():
     finally:
         svc.close()
     assert list(flow.pushed) == ["t1"] and svc.counters.unsupported_tasks == 1
+    assert flow.returned == [("t0", False)]  # unfailed: another instance may run it
+    assert svc.in_flight_count() == 0
 
 
 def test_stop_request_ends_serve_after_the_cycle():
@@ -160,8 +189,7 @@ def test_stop_request_ends_serve_after_the_cycle():
         svc.close()
     assert len(flow.pushed) == 2  # one cycle of max_concurrency tasks, fully pushed
     assert "raas stopping" in out.getvalue()
-    with pytest.raises(KeyboardInterrupt):  # a second signal stops at once
-        svc.request_stop()
+    assert flow.deregistered == [svc.instance_id] and flow.returned == []
 
 
 class Refused(Exception):
@@ -271,3 +299,297 @@ def test_serialized_engine_stamps_the_version_of_each_generate_call():
     assert (first[0].version, second[0].version, engine.version) == (1, 2, 2)
     engine.version = 5  # the weight sync moves a bit-identical version
     assert engine.inner.version == 5
+
+
+# ---------------------------------------------------------------------- membership
+
+
+def _wait(predicate, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_register_sends_capacity_units_and_heartbeat_reports_in_flight():
+    flow = FakeDataflow([_task(0)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), capacity_units=2.5)
+    svc.start()
+    try:
+        assert flow.register_calls[0][1] == 2.5
+        svc._track(["a", "b"])
+        assert svc.heartbeat_once()["drain"] is False
+        assert flow.heartbeats[-1] == 2
+        svc._untrack(["a", "b"])
+        svc.heartbeat_once()
+        assert flow.heartbeats[-1] == 0 and not svc.draining
+    finally:
+        svc.close()
+
+
+def test_a_drain_asked_through_the_heartbeat_finishes_and_deregisters():
+    flow = FakeDataflow([_task(i) for i in range(6)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+    original = svc.run_cycle
+
+    def cycle_then_heartbeat():
+        n = original()
+        flow.drain_requested = True  # the drain route was called
+        svc.heartbeat_once()
+        svc.heartbeat_once()  # the next heartbeat repeats it: still one drain, no hard stop
+        return n
+
+    svc.run_cycle = cycle_then_heartbeat
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    assert svc.draining and "the dataflow's drain route" in out.getvalue()
+    assert sorted(flow.pushed) == ["t0", "t1"] and flow.returned == []
+    assert flow.deregistered == [svc.instance_id] and svc.in_flight_count() == 0
+    assert "raas left the pool" in out.getvalue() and "hard stop" not in out.getvalue()
+
+
+def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
+    class DrainDuringLease(FakeDataflow):
+        def lease(self, instance_id, max_tasks):
+            out = super().lease(instance_id, max_tasks)
+            svc.request_stop()  # SIGTERM lands while the lease is on the wire
+            return out
+
+    flow = DrainDuringLease([_task(i) for i in range(6)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    assert flow.pushed == {}  # nothing was generated after the drain began
+    assert flow.returned == [("t0", False), ("t1", False)]
+    assert flow.deregistered == [svc.instance_id] and svc.counters.tasks_returned == 2
+
+
+def test_drain_under_concurrent_cycles_and_the_push_pool_accounts_for_every_lease():
+    flow = LockedFakeDataflow([_task(i) for i in range(200)])
+    flow.return_tasks = _locked(flow, flow.return_tasks)
+    wf = SlowWorkflow()
+    cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
+                     model_ids=["policy"], max_concurrency=8, concurrent_cycles=4,
+                     push_concurrency=4, poll_interval_s=0.01, progress_interval_s=1e9,
+                     weight_check_interval_s=3600.0)
+    svc = RaaSService(cfg, client_factory=lambda: flow,
+                      engines={"policy": ScriptedEngine(build_tokenizer(), ["82"])},
+                      out=io.StringIO())
+    svc.start()
+    stopper = threading.Thread(target=lambda: (_wait(lambda: len(flow.pushed) >= 10, "pushes"),
+                                               svc.request_stop()))
+    stopper.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        stopper.join()
+        svc.close()
+    pushed, returned = set(flow.pushed), {t for t, _ in flow.returned}
+    assert set(flow.leased) == pushed | returned and not pushed & returned
+    assert len(flow.leased) == len(set(flow.leased)) and len(flow.tasks) > 0  # it stopped early
+    assert svc.in_flight_count() == 0 and flow.deregistered == [svc.instance_id]
+    assert wf.max_in_flight >= 2
+
+
+def _locked(flow, fn):
+    def call(*a, **kw):
+        with flow.lock:
+            return fn(*a, **kw)
+    return call
+
+
+def test_a_second_stop_request_returns_everything_in_flight_and_exits_at_once():
+    flow = FakeDataflow([_task(i) for i in range(6)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0)
+    exits = []
+    svc._exit = exits.append
+    svc.start()
+    codes = []
+    server = threading.Thread(target=lambda: codes.append(svc.serve()))
+    server.start()
+    try:
+        _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")  # generated, not pushed
+        svc.request_stop()  # drain: would wait out the 600 s delay
+        assert svc.draining and svc.in_flight_count() == 2
+        svc.request_stop()  # the second one: hard stop
+        server.join(timeout=30)
+        assert not server.is_alive()
+    finally:
+        svc.close()
+    assert codes == [130] and exits == [130]
+    assert flow.returned == [("t0", False), ("t1", False)] and flow.pushed == {}
+    assert flow.deregistered == [svc.instance_id]
+    assert "raas hard stop" in out.getvalue()
+
+
+def test_a_drain_that_outlasts_drain_timeout_s_becomes_a_hard_stop():
+    flow = FakeDataflow([_task(i) for i in range(6)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0,
+                        drain_timeout_s=0.2)
+    exits = []
+    svc._exit = exits.append
+    svc.start()
+    codes = []
+    server = threading.Thread(target=lambda: codes.append(svc.serve()))
+    server.start()
+    try:
+        _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")
+        svc.drain("test")
+        server.join(timeout=30)
+        assert not server.is_alive()
+    finally:
+        svc.close()
+    assert codes == exits == [130]
+    assert sorted(t for t, _ in flow.returned) == ["t0", "t1"]
+    assert "drain_timeout_s=0.2" in out.getvalue()
+
+
+def test_a_cycle_delay_holds_the_generated_tasks_in_flight_until_pushed():
+    flow = FakeDataflow([_task(i) for i in range(2)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=0.3)
+    svc.start()
+    seen = []
+    watcher = threading.Thread(target=lambda: (
+        _wait(lambda: svc.in_flight_count() > 0, "a lease"),
+        seen.append((svc.in_flight_count(), len(flow.pushed)))))
+    watcher.start()
+    try:
+        assert svc.run_cycle() == 2
+    finally:
+        watcher.join()
+        svc.close()
+    assert seen == [(2, 0)]  # held, generated and not yet pushed, while the cycle slept
+    assert svc.in_flight_count() == 0 and sorted(flow.pushed) == ["t0", "t1"]
+
+
+def test_a_workflow_exception_returns_the_cycle_as_failed():
+    class Broken(SingleTurnWorkflow):
+        def run(self, tasks, engines):
+            raise RuntimeError("tool sandbox died")
+
+    flow = FakeDataflow([_task(0), _task(1)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.config.workflow = Broken(ExactMatchReward())
+    svc.start()
+    try:
+        assert svc.run_cycle() == 0
+    finally:
+        svc.close()
+    assert flow.returned == [("t0", True), ("t1", True)]
+    assert svc.counters.workflow_errors == 1 and svc.in_flight_count() == 0
+
+
+def test_a_heartbeat_404_rejoins_under_the_same_id_and_threads_register_once():
+    class Forgetful(FakeDataflow):
+        forget_heartbeat = False
+
+        def heartbeat(self, instance_id, in_flight=None):
+            if self.forget_heartbeat:
+                self.forget_heartbeat = False
+                raise NotFound("unknown instance", "instance_id")
+            return super().heartbeat(instance_id, in_flight)
+
+        def register(self, *a, **kw):
+            time.sleep(0.05)  # slow enough for racing threads to overlap
+            return super().register(*a, **kw)
+
+    flow = Forgetful([_task(0)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+    try:
+        first = svc.instance_id
+        flow.forget_heartbeat = True
+        assert svc.heartbeat_once() is None
+        assert flow.registrations == 2 and flow.register_calls[-1][0] == first
+        # a restart noticed by several threads at once (lease, heartbeat, pushes): one register
+        seen = svc._registrations
+        racers = [threading.Thread(target=svc.rejoin, args=(seen,)) for _ in range(4)]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join()
+        assert flow.registrations == 3 and svc.counters.rejoins == 2
+        assert svc.instance_id == first and "registered again" in out.getvalue()
+    finally:
+        svc.close()
+
+
+def test_pushes_of_tasks_a_fresh_dataflow_forgot_are_dropped_and_the_loop_goes_on():
+    flow = FakeDataflow([_task(i) for i in range(4)])
+    flow.unknown_tasks = {"t0"}
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), max_cycles=2)
+    svc.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    c = svc.counters
+    assert (c.pushes_dropped, c.push_errors, c.tasks_done) == (1, 0, 3)
+    assert sorted(flow.pushed) == ["t1", "t2", "t3"] and svc.in_flight_count() == 0
+    assert "dropped 1" in out.getvalue().strip().splitlines()[-1]
+
+
+def test_a_push_refused_for_an_unknown_instance_rejoins_and_is_pushed_again():
+    class Restarted(FakeDataflow):
+        forgotten = True
+
+        def push(self, instance_id, task_id, samples):
+            if self.forgotten:
+                raise NotFound("unknown instance", "instance_id")
+            return super().push(instance_id, task_id, samples)
+
+        def register(self, *a, **kw):
+            self.forgotten = False
+            return super().register(*a, **kw)
+
+    flow = Restarted([_task(0)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+    flow.forgotten = True  # the dataflow restarted on a fresh state after we registered
+    try:
+        assert svc.run_cycle() == 1
+    finally:
+        svc.close()
+    assert list(flow.pushed) == ["t0"] and flow.registrations == 2
+    assert svc.counters.rejoins == 1 and svc.counters.pushes_dropped == 0
+
+
+@pytest.mark.parametrize("key,value", [("capacity_units", "0"), ("cycle_delay_s", "-1"),
+                                       ("drain_timeout_s", "0")])
+def test_membership_config_keys_are_validated(key, value):
+    from astralight.raas.config import parse_config
+
+    with pytest.raises(ValueError, match=key):
+        parse_config(["--engines", '{"policy": {"model_path": "m"}}', f"--{key}", value])
+
+
+def test_membership_config_keys_parse():
+    from astralight.raas.config import parse_config
+
+    cfg = parse_config(["--engines", '{"policy": {"model_path": "m"}}', "--capacity_units", "2",
+                        "--cycle_delay_s", "0.5", "--drain_timeout_s", "30"])
+    assert (cfg.capacity_units, cfg.cycle_delay_s, cfg.drain_timeout_s) == (2.0, 0.5, 30.0)
+
+
+def test_a_cycle_that_fails_before_generating_returns_its_tasks():
+    flow = FakeDataflow([_task(0), _task(1)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+
+    def no_weights(tasks):
+        raise OSError("weight download failed")
+
+    svc._catch_up = no_weights
+    try:
+        with pytest.raises(OSError):
+            svc.run_cycle()
+    finally:
+        svc.close()
+    assert flow.returned == [("t0", False), ("t1", False)] and svc.in_flight_count() == 0
