@@ -4,6 +4,8 @@
     astralight dataflow serve --config X.yaml    the dataflow service
     astralight raas serve --dataflow URL --config X.yaml   a rollout service
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
+    astralight autoscale --dataflow URL --raas-config X.yaml --min N --max N   grow or shrink
+                                                 the RaaS pool from the balance report
     astralight prepare-toy DIR                   build the toy recipe's warm-started tiny policy
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest[1:]) or 0
     if command == "fit":
         return _fit(rest)
+    if command == "autoscale":
+        from astralight.autoscale.service import main as autoscale_main
+
+        return autoscale_main(rest)
     if command == "prepare-toy":
         from astralight.tasks.warmstart import main as prepare_main
 

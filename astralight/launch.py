@@ -17,6 +17,14 @@ replaces), so a variant states only what it changes (``configs/toy/algorithms/*.
 Every ``balance.every`` versions (default 10) the dataflow's balance report (trainer wait
 fraction, produced / accepted / consumed, the pool decision) is appended to ``balance.txt`` in the
 run folder; the last one is in the summary.
+
+Elastic pool: with ``autoscale: {min_instances, max_instances, initial, cooldown_s, every, ...}``
+the launcher starts ``astralight autoscale`` (local processes, the recipe's ``raas[0]`` as every
+instance's config, their logs and the decisions log ``autoscale.jsonl`` in the run folder)
+instead of the fixed ``raas`` list; RaaS then come and go inside the autoscaler, and only the
+autoscaler itself must stay alive. The summary gains ``pool`` (the autoscaler's decisions),
+``rollout_capacity_seconds`` (sum over the dataflow's instance table of alive_s x
+capacity_units) and ``trainer_seconds`` (the trainers' process lifetimes), in every run.
 """
 
 from __future__ import annotations
@@ -190,6 +198,8 @@ def load_recipe(path: Path) -> dict:
         raise RecipeError("recipe.dataflow: must be a mapping (the dataflow service's config)")
     if not isinstance(stop.get("versions"), int) or stop["versions"] < 1:
         raise RecipeError("recipe.stop.versions: must be a positive int (trainer versions to run)")
+    if recipe.get("autoscale") is not None:
+        autoscale_settings(recipe["autoscale"])
     every = (recipe["dataflow"].get("eval") or {}).get("every")
     if every and stop["versions"] % every:
         raise RecipeError(
@@ -197,6 +207,62 @@ def load_recipe(path: Path) -> dict:
             f"({every}), so the final version would never be evaluated; make it one"
         )
     return recipe
+
+
+#: recipe.autoscale keys and their defaults (the autoscaler's flags, see astralight.autoscale)
+AUTOSCALE_DEFAULTS = {"min_instances": 1, "max_instances": 4, "initial": None, "cooldown_s": 120.0,
+                      "every": 10, "poll_s": 2.0, "drain_timeout_s": 60.0, "kill_after_s": 30.0,
+                      "replace_backoff_s": 10.0}
+
+
+def autoscale_settings(spec: Any) -> dict:
+    """``recipe.autoscale`` with defaults filled in, checked; problems name the key."""
+    if not isinstance(spec, dict):
+        raise RecipeError("recipe.autoscale: must be a mapping, e.g. {min_instances: 1, "
+                          "max_instances: 3, every: 5}")
+    unknown = sorted(set(spec) - set(AUTOSCALE_DEFAULTS))
+    if unknown:
+        raise RecipeError(f"recipe.autoscale.{unknown[0]}: unknown key; known: "
+                          f"{', '.join(AUTOSCALE_DEFAULTS)}")
+    out = {**AUTOSCALE_DEFAULTS, **spec}
+    for key in ("min_instances", "max_instances", "every"):
+        if isinstance(out[key], bool) or not isinstance(out[key], int):
+            raise RecipeError(f"recipe.autoscale.{key}: must be an int, got {out[key]!r}")
+    for key in ("cooldown_s", "poll_s", "drain_timeout_s", "kill_after_s", "replace_backoff_s"):
+        if isinstance(out[key], bool) or not isinstance(out[key], (int, float)) or out[key] < 0:
+            raise RecipeError(f"recipe.autoscale.{key}: must be a number of seconds >= 0, "
+                              f"got {out[key]!r}")
+    if out["poll_s"] == 0:
+        raise RecipeError("recipe.autoscale.poll_s: must be > 0 seconds")
+    if out["every"] < 1:
+        raise RecipeError(f"recipe.autoscale.every: must be >= 1 versions, got {out['every']}")
+    if out["min_instances"] < 0:
+        raise RecipeError(f"recipe.autoscale.min_instances: must be >= 0, got {out['min_instances']}")
+    if out["max_instances"] < max(out["min_instances"], 1):
+        raise RecipeError(f"recipe.autoscale.max_instances: must be >= min_instances "
+                          f"({out['min_instances']}) and >= 1, got {out['max_instances']}")
+    initial = out["initial"]
+    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int)
+                                or not out["min_instances"] <= initial <= out["max_instances"]):
+        raise RecipeError(f"recipe.autoscale.initial: must be an int within min_instances.."
+                          f"max_instances ({out['min_instances']}..{out['max_instances']}), "
+                          f"got {initial!r}")
+    return out
+
+
+def autoscale_argv(settings: dict, url: str, raas_config: str, model_id: str,
+                   run_dir: Path) -> list[str]:
+    """``astralight autoscale`` arguments for a recipe's (checked) autoscale settings."""
+    argv = ["autoscale", "--dataflow", url, "--raas-config", raas_config, "--model-id", model_id,
+            "--min", str(settings["min_instances"]), "--max", str(settings["max_instances"]),
+            "--every", str(settings["every"]), "--cooldown-s", str(settings["cooldown_s"]),
+            "--poll-s", str(settings["poll_s"]), "--drain-timeout-s", str(settings["drain_timeout_s"]),
+            "--kill-after-s", str(settings["kill_after_s"]),
+            "--replace-backoff-s", str(settings["replace_backoff_s"]),
+            "--log-dir", str(run_dir / "logs"), "--decisions-log", str(run_dir / "autoscale.jsonl")]
+    if settings["initial"] is not None:
+        argv += ["--initial", str(settings["initial"])]
+    return argv
 
 
 def prepare_initial_model(recipe: dict, run_dir: Path) -> str:
@@ -308,6 +374,9 @@ def _progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, di
     trained = pol.get("samples_trained", pol.get("samples_acked", 0))
     rollouts = pol.get("rollouts_generated")
     rollout_text = f" | rollouts {rollouts}" if rollouts is not None else ""
+    instances = stats.get("instances") or []
+    if instances and all("live" in r for r in instances):  # the pool size, as it changes
+        rollout_text += f" | raas {sum(1 for r in instances if r['live'])}"
     return (f"[{elapsed:6.0f}s] version {version}/{target}"
             f" | trained {trained}{rollout_text}"
             f" | accepted {pol.get('samples_accepted', 0)}"
@@ -326,6 +395,36 @@ def _final_eval(evals: dict[int, dict]) -> dict:
     if "team_accuracy" in last:
         out.update(team_accuracy_start=first.get("team_accuracy"),
                    team_accuracy_end=last["team_accuracy"])
+    return out
+
+
+def rollout_capacity_seconds(instances: list[dict] | None) -> float | None:
+    """Sum over the dataflow's instance table of ``alive_s x capacity_units``: what the rollout
+    pool cost, in capacity-unit seconds (None when the table does not say how long each lived)."""
+    if not instances:
+        return None
+    total = 0.0
+    for row in instances:
+        if row.get("alive_s") is None:
+            return None
+        total += float(row["alive_s"]) * float(row.get("capacity_units") or 1.0)
+    return round(total, 1)
+
+
+def read_pool_history(path: Path) -> list[dict] | None:
+    """The autoscaler's decisions (its JSON-lines log), None when there is none."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        out.append({k: entry.get(k) for k in ("time", "version", "action", "pool", "target",
+                                              "launched", "retire", "reason", "errors")})
     return out
 
 
@@ -356,6 +455,7 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "counters": pol,
         "plugins": stats.get("plugins"),
         "per_version": per_version,
+        "rollout_capacity_seconds": rollout_capacity_seconds(stats.get("instances")),
     }
 
 
@@ -395,14 +495,20 @@ def component_configs(recipe: dict, run_dir: Path, port: int) -> dict[str, dict]
 
 
 def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[Component]:
-    """The run's processes, in start order: dataflow, rollout services, trainers."""
+    """The run's processes, in start order: dataflow, rollout services (or the autoscaler),
+    trainers."""
     py = [sys.executable, "-m", "astralight.cli"]
     env, cpus = recipe.get("env") or {}, _affinity(recipe.get("cpu_affinity") or {})
     raas_env = dict(env.get("raas", {}))
     if "raas" in cpus:  # vLLM binds its OpenMP threads itself; tell it which cores are its own
         raas_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus["raas"])))
     comps = []
-    for name, cfg in component_configs(recipe, run_dir, port).items():
+    configs = component_configs(recipe, run_dir, port)
+    autoscale = recipe.get("autoscale")
+    if autoscale is not None:  # RaaS come from the autoscaler: raas[0] is every instance's config
+        template = _write_yaml(run_dir / "configs" / "raas-template.yaml", configs["raas-0"])
+        configs = {k: v for k, v in configs.items() if not k.startswith("raas-")}
+    for name, cfg in configs.items():
         path = str(_write_yaml(run_dir / "configs" / f"{name}.yaml", cfg))
         kind = name.split("-")[0]
         if kind == "dataflow":
@@ -413,6 +519,13 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
             argv, kind_env = ["fit", "--config", path], env.get("trainer", {})
         comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log", env=kind_env,
                                cpus=cpus.get(kind)))
+    if autoscale is not None:
+        # started right after the dataflow; pinned to the RaaS cores, which its children (the
+        # instances) inherit, with the RaaS environment
+        argv = autoscale_argv(autoscale_settings(autoscale), url, str(template),
+                              recipe["stop"].get("model_id", "policy"), run_dir)
+        comps.insert(1, Component("autoscale", py + argv, run_dir / "logs" / "autoscale.log",
+                                  env=raas_env, cpus=cpus.get("raas")))
     return comps
 
 
@@ -447,8 +560,11 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         comps[0].start()
         _wait_ready(url, comps[0], timeout_s=60)
         print(f"[launch] dataflow ready at {url}", flush=True)
+        trainer_times: dict[str, list[float]] = {}
         for comp in comps[1:]:
             comp.start()
+            if comp.name.startswith("trainer-"):
+                trainer_times[comp.name] = [time.time()]
             print(f"[launch] started {comp.name} (log: {comp.log_path})", flush=True)
         trainers = [c for c in comps if c.name.startswith("trainer-")]
         services = [c for c in comps[1:] if c not in trainers]
@@ -468,6 +584,8 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
             for comp in trainers:
                 if not comp.alive() and comp.proc.returncode != 0:
                     raise RuntimeError(f"{comp.name} failed with {comp.proc.returncode}:\n{comp.tail()}")
+                if not comp.alive() and len(trainer_times[comp.name]) == 1:
+                    trainer_times[comp.name].append(now)
             try:
                 stats = _get_json(f"{url}/v1/stats")
             except Exception:
@@ -495,6 +613,10 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(stats, evals, per_version, model_id, target)
         summary["balance"] = last_balance
+        summary["trainer_seconds"] = round(sum((t[1] if len(t) > 1 else time.time()) - t[0]
+                                               for t in trainer_times.values()), 1)
+        if recipe.get("autoscale") is not None:
+            summary["pool"] = read_pool_history(run_dir / "autoscale.jsonl")
         others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
         if others:  # multi-policy: every policy's final evaluation, side by side
             summary["policies"] = {m: _final_eval(_eval_table(url, m)) for m in [model_id] + others}
@@ -506,7 +628,11 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         for comp in reversed(comps):
             # trainers get SIGINT (Lightning's graceful stop), services SIGTERM
             sig = signal.SIGINT if comp.name.startswith("trainer-") else signal.SIGTERM
-            comp.stop(sig)
+            timeout_s = 30.0
+            if comp.name == "autoscale":  # it drains its instances before it exits
+                settings = autoscale_settings(recipe["autoscale"])
+                timeout_s += settings["drain_timeout_s"] + settings["kill_after_s"]
+            comp.stop(sig, timeout_s=timeout_s)
         print("[launch] all components stopped", flush=True)
     if interrupted:
         raise KeyboardInterrupt

@@ -54,7 +54,8 @@ def decide(pool: int, wait_fraction: float, consumed: int, accepted: int,
                          f"{tau_low}/{tau_high}")
     w = min(max(float(wait_fraction), 0.0), 0.99)
     if w > tau_high:
-        target = math.ceil(max(pool, 1) / (1.0 - w))
+        # rounded first: 1 / (1 - 0.9) is 10.000000000000002 in floating point, not 10
+        target = math.ceil(round(max(pool, 1) / (1.0 - w), 9))
         return Decision("scale_up", pool, target,
                         f"trainer waited {w:.1%} of its steps (> {tau_high:.0%})")
     if w < tau_low and consumed > 0 and accepted > 0:

@@ -114,3 +114,9 @@ def test_the_new_report_fields_become_balance_scalars():
     assert (out["balance/wall_s"], out["balance/eval_s"]) == (10.0, 2.0)
     assert out["balance/throughput_per_capacity_unit"] == 2.0
     assert "balance/wall_s" not in balance_metrics(window_report({}, 0, 0, pool=1))  # None: skipped
+
+
+def test_scale_up_target_is_not_inflated_by_float_rounding():
+    # 1 / (1 - 0.9) = 10.000000000000002 in floating point: the target must be 10, not 11
+    assert decide(1, 0.9, 0, 0).target == 10
+    assert decide(3, 0.5, 0, 0).target == 6
