@@ -6,6 +6,7 @@
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
     astralight autoscale --dataflow URL --raas-config X.yaml --min N --max N   grow or shrink
                                                  the RaaS pool from the balance report
+    astralight report RUN_DIR [--out DIR]         plots and a text summary of a run folder
     astralight prepare-toy DIR                   build the toy recipe's warm-started tiny policy
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from astralight.autoscale.service import main as autoscale_main
 
         return autoscale_main(rest)
+    if command == "report":
+        from astralight.report import main as report_main
+
+        return report_main(rest) or 0
     if command == "prepare-toy":
         from astralight.tasks.warmstart import main as prepare_main
 

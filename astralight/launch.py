@@ -620,7 +620,7 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
         if others:  # multi-policy: every policy's final evaluation, side by side
             summary["policies"] = {m: _final_eval(_eval_table(url, m)) for m in [model_id] + others}
-        summary.update(wall_s=round(time.time() - t_start, 1), run_dir=str(run_dir))
+        summary.update(recipe=name, wall_s=round(time.time() - t_start, 1), run_dir=str(run_dir))
     except KeyboardInterrupt:
         interrupted = True
         print("\n[launch] interrupted: stopping components", flush=True)

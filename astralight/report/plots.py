@@ -1,0 +1,333 @@
+"""The report's PNG plots, one function each: ``plot_x(data, path, window) -> None | reason``.
+
+A function draws its figure to ``path`` and returns None, or draws nothing and returns why (the
+data it needs is not in the run folder): a missing source skips a plot, it never fails the report.
+matplotlib is imported lazily through :func:`require_matplotlib` (it is an optional dependency,
+in the ``test`` extra) and drawn through ``matplotlib.figure.Figure`` directly, so no pyplot
+state or GUI backend is involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from astralight.report.rundata import RunData
+
+#: TensorBoard tags each plot reads (written by astralight.policy and callbacks/weight_publisher.py)
+REWARD_TAG = "train/reward_mean"
+STALENESS_TAGS = ("train/staleness_mean", "train/staleness_max")
+PUBLISH_SPARSITY = "publish/sparsity"
+PUBLISH_BYTES = ("publish/bytes", "publish/delta_bytes", "publish/full_bytes")
+PUBLISH_VERSION = "publish/published_version"
+PUBLISH_KIND = "publish/kind"  # 1 = full, 0 = delta
+
+
+class MatplotlibMissing(RuntimeError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MatplotlibMissing(
+            "astralight report draws its plots with matplotlib, which is not installed: "
+            "pip install matplotlib  (or pip install 'astralight[test]')") from None
+
+
+def _figure(nrows: int = 1, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.5, height * nrows if nrows > 1 else height), dpi=100,
+                 layout="constrained")
+    axes = fig.subplots(nrows, 1, sharex=True, squeeze=False)[:, 0]
+    return fig, list(axes)
+
+
+def _legend(ax) -> None:
+    """Outside the axes, on the right: curves are never hidden under it."""
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+def _integer_x(ax) -> None:
+    """Versions and steps are whole numbers: no 2.5 ticks on short runs."""
+    ax.xaxis.get_major_locator().set_params(integer=True)
+
+
+def _save(fig, path: Path, title: str) -> None:
+    fig.suptitle(title)
+    fig.savefig(path, format="png")
+
+
+def _colors():
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(10)]
+
+
+def rolling_ratio(num: list[float], den: list[float], window: int) -> list[float | None]:
+    """``sum(num[i-w+1..i]) / sum(den[i-w+1..i])`` at each i (None where the window's den is 0)."""
+    out: list[float | None] = []
+    for i in range(len(num)):
+        lo = max(0, i - window + 1)
+        d = sum(den[lo:i + 1])
+        out.append(sum(num[lo:i + 1]) / d if d > 0 else None)
+    return out
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+# --------------------------------------------------------------------------- eval accuracy
+
+def plot_eval_accuracy(data: RunData, path: Path, window: int) -> str | None:
+    """avg@k per eval version of every policy; team accuracy (dashed) and each benchmark's avg@k
+    (dotted) when the eval has them."""
+    if not data.evals:
+        return ("no complete evaluation: the dataflow DB has no complete eval run and "
+                "summary.json no `eval` table (is `dataflow.eval.source` set?)")
+    fig, (ax,) = _figure(height=4.5)
+    colors = _colors()
+    ks = set()
+    for i, (model_id, table) in enumerate(sorted(data.evals.items())):
+        color = colors[i % len(colors)]
+        versions = sorted(table)
+        ks.update(table[v].get("k") for v in versions if table[v].get("k"))
+        ax.plot(versions, [100 * table[v]["avg_at_k"] for v in versions], "o-", color=color,
+                label=f"{model_id} avg@k")
+        team = [v for v in versions if table[v].get("team_accuracy") is not None]
+        if team:
+            ax.plot(team, [100 * table[v]["team_accuracy"] for v in team], "s--", color=color,
+                    label=f"{model_id} team accuracy")
+        names = sorted({b for v in versions for b in (table[v].get("benchmarks") or {})})
+        for j, name in enumerate(names):
+            pts = [(v, table[v]["benchmarks"][name]["avg_at_k"]) for v in versions
+                   if name in (table[v].get("benchmarks") or {})
+                   and table[v]["benchmarks"][name].get("n_reported", 1)]
+            if pts:
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], ":", marker=".",
+                        color=color, alpha=0.5 + 0.5 * (j % 2), label=f"{model_id} {name}")
+    k = str(next(iter(ks))) if len(ks) == 1 else "k"
+    ax.set_xlabel("policy version")
+    _integer_x(ax)
+    ax.set_ylabel(f"accuracy (%, avg@{k})")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    _save(fig, path, f"Held-out eval accuracy (avg@{k})")
+    return None
+
+
+# --------------------------------------------------------------------------- TensorBoard series
+
+def _series_plot(data: RunData, path: Path, tags: tuple[str, ...], title: str, ylabel: str,
+                 window: int, smooth: bool, missing: str) -> str | None:
+    found = {name: {t: tb[t] for t in tags if tb.get(t)} for name, tb in data.scalars.items()}
+    found = {name: series for name, series in found.items() if series}
+    if not found:
+        return missing
+    fig, (ax,) = _figure()
+    colors = _colors()
+    styles = ["-", "--", ":"]
+    for i, (name, series) in enumerate(sorted(found.items())):
+        color = colors[i % len(colors)]
+        for j, tag in enumerate(tags):
+            if tag not in series:
+                continue
+            steps = [s for s, _ in series[tag]]
+            values = [v for _, v in series[tag]]
+            label = f"{name} {tag.split('/')[-1]}"
+            if smooth and len(values) > 1:
+                ax.plot(steps, values, styles[j % 3], color=color, alpha=0.3, linewidth=1)
+                ax.plot(steps, rolling_mean(values, window), styles[j % 3], color=color,
+                        label=f"{label} ({window}-step mean)")
+            else:
+                ax.plot(steps, values, styles[j % 3], color=color, label=label,
+                        marker="." if len(values) < 60 else None)
+    ax.set_xlabel("training step")
+    _integer_x(ax)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    _save(fig, path, title)
+    return None
+
+
+def plot_reward(data: RunData, path: Path, window: int) -> str | None:
+    """Mean reward of each trained batch (``train/reward_mean``) per step, raw and smoothed."""
+    return _series_plot(data, path, (REWARD_TAG,), "Mean reward per training step", "reward",
+                        window, smooth=True,
+                        missing=f"no TensorBoard scalar {REWARD_TAG!r} under tensorboard/")
+
+
+def plot_staleness(data: RunData, path: Path, window: int) -> str | None:
+    """Staleness of each trained batch (trainer version minus behaviour version), mean and max."""
+    return _series_plot(data, path, STALENESS_TAGS, "Staleness of trained samples",
+                        "policy versions behind", window, smooth=False,
+                        missing=f"no TensorBoard scalars {' / '.join(STALENESS_TAGS)} under "
+                                f"tensorboard/")
+
+
+# --------------------------------------------------------------------------- wait fraction
+
+def wait_series(counters: dict[int, dict[str, int]]) -> tuple[list[int], list[float], list[float]]:
+    """Versions with timed trainer steps, and their ``trainer_wait_ms`` / ``trainer_step_ms``."""
+    versions = sorted(v for v, c in counters.items() if c.get("trainer_step_ms", 0) > 0)
+    return (versions, [float(counters[v].get("trainer_wait_ms", 0)) for v in versions],
+            [float(counters[v]["trainer_step_ms"]) for v in versions])
+
+
+def plot_wait_fraction(data: RunData, path: Path, window: int) -> str | None:
+    """Fraction of the trainer's step time spent waiting for a batch, per version: the raw
+    per-version ratio and ``sum(wait) / sum(step)`` over the last ``window`` versions."""
+    series = {m: wait_series(c) for m, c in data.per_version.items()}
+    series = {m: s for m, s in series.items() if s[0]}
+    if not series:
+        return ("no per-version counters trainer_wait_ms / trainer_step_ms (dataflow DB table "
+                "version_counters, or summary.json `per_version`)")
+    fig, (ax,) = _figure()
+    colors = _colors()
+    for i, (model_id, (versions, wait, step)) in enumerate(sorted(series.items())):
+        color = colors[i % len(colors)]
+        ax.plot(versions, [w / s for w, s in zip(wait, step)], ".", color=color, alpha=0.4)
+        smooth = rolling_ratio(wait, step, window)
+        ax.plot(versions, smooth, "-", color=color, label=f"{model_id} ({window}-version window)")
+        mean = sum(wait) / sum(step)
+        ax.axhline(mean, color=color, linestyle=":", alpha=0.7,
+                   label=f"{model_id} mean {100 * mean:.1f}%")
+    ax.set_xlabel("policy version")
+    _integer_x(ax)
+    ax.set_ylabel("trainer wait fraction")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    _save(fig, path, "Trainer wait fraction (time waiting for data / step time)")
+    return None
+
+
+# --------------------------------------------------------------------------- weights
+
+def publish_series(tb: dict[str, list[tuple[int, float]]], tag: str) -> list[tuple[int, float]]:
+    """``(published version, value)`` of a publisher scalar; the version is
+    ``publish/published_version`` logged at the same step (the step itself when absent)."""
+    version_at = {s: int(v) for s, v in tb.get(PUBLISH_VERSION, [])}
+    return [(version_at.get(s, s), v) for s, v in tb.get(tag, [])]
+
+
+def plot_weights(data: RunData, path: Path, window: int) -> str | None:
+    """Per published version: the delta's sparsity (fraction of bf16 elements unchanged) and the
+    bytes uploaded, delta bytes and the full-sync bytes for reference; full versions marked."""
+    found = {n: tb for n, tb in data.scalars.items()
+             if tb.get(PUBLISH_SPARSITY) or any(tb.get(t) for t in PUBLISH_BYTES)}
+    if not found:
+        return (f"no publisher scalars ({PUBLISH_SPARSITY}, {', '.join(PUBLISH_BYTES)}) under "
+                f"tensorboard/: was the WeightPublisher callback on?")
+    fig, (ax_sp, ax_b) = _figure(nrows=2, height=3.2)
+    colors = _colors()
+    mib = 1024.0 * 1024.0
+    for i, (name, tb) in enumerate(sorted(found.items())):
+        color = colors[i % len(colors)]
+        sp = publish_series(tb, PUBLISH_SPARSITY)
+        if sp:
+            ax_sp.plot([v for v, _ in sp], [x for _, x in sp], ".-", color=color, label=name)
+        for tag, style in zip(PUBLISH_BYTES, ("-", "o", "--")):
+            pts = publish_series(tb, tag)
+            if pts:
+                ax_b.plot([v for v, _ in pts], [x / mib for _, x in pts], style, color=color,
+                          markersize=3, alpha=0.8 if style != "--" else 0.5,
+                          label=f"{name} {tag.split('/')[-1]}")
+        full = {v for v, k in publish_series(tb, PUBLISH_KIND) if k >= 0.5}
+        uploaded = [(v, x) for v, x in publish_series(tb, PUBLISH_BYTES[0]) if v in full]
+        if uploaded:
+            ax_b.plot([v for v, _ in uploaded], [x / mib for _, x in uploaded], "x", color=color,
+                      markersize=8, label=f"{name} full sync")
+    ax_sp.set_ylabel("delta sparsity")
+    ax_sp.set_ylim(0, 1)
+    ax_sp.grid(alpha=0.3)
+    if ax_sp.lines:
+        _legend(ax_sp)
+    ax_b.set_ylabel("MiB")
+    ax_b.set_xlabel("published version")
+    _integer_x(ax_b)
+    ax_b.set_ylim(bottom=0)
+    ax_b.grid(alpha=0.3)
+    _legend(ax_b)
+    _save(fig, path, "Published weights: delta sparsity and bytes")
+    return None
+
+
+# --------------------------------------------------------------------------- pool
+
+def pool_timeline(instances: list[dict], end: float) -> list[tuple[float, int]]:
+    """``(time, live instances)`` steps from the instance table's registered_at / left_at."""
+    events: list[tuple[float, int]] = []
+    for row in instances:
+        if row.get("registered_at") is None:
+            continue
+        events.append((float(row["registered_at"]), 1))
+        if row.get("left_at") is not None:
+            events.append((float(row["left_at"]), -1))
+    events.sort()
+    out, live = [], 0
+    for t, d in events:
+        live += d
+        out.append((t, live))
+    if out:
+        out.append((max(end, out[-1][0]), live))
+    return out
+
+
+def plot_pool(data: RunData, path: Path, window: int) -> str | None:
+    """Live rollout instances over wall time (the dataflow's instance table) and, with an
+    autoscaler, its decisions' target pool size."""
+    rows = [r for r in data.instances if r.get("registered_at") is not None]
+    decisions = [d for d in data.pool_decisions if d.get("target") is not None]
+    if not rows and not decisions:
+        return ("no RaaS instance in the dataflow DB's instance table and no autoscaler "
+                "decisions log (autoscale.jsonl)")
+    times = [float(r["registered_at"]) for r in rows] + [float(d["time"]) for d in decisions]
+    ends = [float(x) for r in rows for x in (r.get("left_at"), r.get("last_seen")) if x is not None]
+    ends += [t for times_ in data.version_times.values() for t in times_.values()]
+    t0 = data.started_at if data.started_at is not None else min(times)
+    t0 = min(t0, min(times))
+    end = max(ends + times)
+    fig, (ax,) = _figure()
+    timeline = pool_timeline(rows, end)
+    if timeline:
+        ax.step([t - t0 for t, _ in timeline], [n for _, n in timeline], where="post",
+                label="live instances (dataflow)")
+    if decisions:
+        ax.step([float(d["time"]) - t0 for d in decisions] + [end - t0],
+                [d["target"] for d in decisions] + [decisions[-1]["target"]], where="post",
+                linestyle="--", label="autoscaler target")
+        for d in decisions:
+            if d.get("action") not in (None, "hold"):
+                ax.annotate(str(d["action"]), (float(d["time"]) - t0, d["target"]),
+                            fontsize="x-small", rotation=30)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("rollout instances")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    _save(fig, path, "Rollout pool size")
+    return None
+
+
+#: every plot, in report order: (file name, function)
+PLOTS: list[tuple[str, Callable[[RunData, Path, int], str | None]]] = [
+    ("eval_accuracy.png", plot_eval_accuracy),
+    ("reward.png", plot_reward),
+    ("wait_fraction.png", plot_wait_fraction),
+    ("staleness.png", plot_staleness),
+    ("weights.png", plot_weights),
+    ("pool.png", plot_pool),
+]
