@@ -1,41 +1,53 @@
-"""``M2POPolicy``: the LightningModule that trains one policy on batches pulled from the dataflow.
+"""The policy LightningModules: ``RLPolicy`` (the base) and ``M2POPolicy`` (the default objective).
 
 One trainer process per policy (``model_id``). Each training step takes one trainer batch (see
 ``astralight.datamodules.rollout.collate_batch``: right-padded ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
 ``versions``, per-sample ``advantages``), computes the policy's token log-probs at the sampling
-temperature, the objective (M2PO by default), and takes **one optimizer step**; then it
-acknowledges the batch to the dataflow, so a crash before the step re-serves it.
+temperature, the objective, and takes **one optimizer step**; then it acknowledges the batch to
+the dataflow, so a crash before the step re-serves it.
 
-Gradient accumulation and the whole-batch M2 statistic
--------------------------------------------------------
-The M2 selection must see every token of the optimizer batch (all ranks, all micro-batches), but
-a backward pass must not wait for it. With ``micro_batch_size`` set, the module uses **manual
-optimization**: (1) a no-grad forward over the whole batch in micro-batches gives the log-probs,
-from which :meth:`loss_context` fixes the M2 keep mask (all-gathered across ranks), the loss
-normaliser (the batch's loss-token count) and, if ``kl_coef > 0``, the reference log-probs;
-(2) each micro-batch is run again with grad and back-propagated with that fixed context (DDP
-gradient sync only on the last one); (3) one clip + optimizer step. This costs one extra forward
-(~1/3 more compute) only when micro-batching; with ``micro_batch_size=None`` (or >= the batch) the
-single grad forward's detached log-probs feed the context directly. Dropout is disabled at load
-(``disable_dropout``) so that the two passes, and the ratio on fresh data, agree.
+:class:`RLPolicy` does everything that is not the objective: loading the Hugging Face model,
+checking and shifting the batch, log-probs (chunked, at the temperature), micro-batching and
+gradient accumulation, the optional k3 KL penalty to the frozen initial model, AdamW with
+warm-up, gradient clipping, the acknowledgement with the step timing the balance report uses,
+and the ``train/*`` / ``perf/*`` metrics. :class:`M2POPolicy` is an ``RLPolicy`` that implements
+:meth:`RLPolicy.compute_loss` with M2PO (or its released variant, or PPO-clip).
 
-Extension point
----------------
-Subclass and override :meth:`compute_loss` (``(batch, logp) -> (loss, metrics)``) to plug in a new
-objective; override :meth:`loss_context` if it needs whole-batch statistics. ``batch`` there is a
-(micro-)batch of *shifted* tensors, all ``[b, T-1]`` and aligned with ``logp``:
-``mask`` (bool, trained tokens), ``logp_behaviour``, ``advantages`` (per token, 0 off mask),
-``versions``; plus ``sample_advantages`` / ``rewards`` ``[b]``, ``n_tokens`` (the normaliser:
-loss tokens of the whole optimizer batch over all ranks / world size) and whatever
-:meth:`loss_context` added. Return a loss normalised by ``batch["n_tokens"]`` so micro-batch
-losses add up to the batch loss; metric values are scalars (combined over micro-batches by a
-token-weighted mean, ``*_loss`` summed, ``*_max``/``*_min`` by max/min) and are logged as
-``train/<name>``.
+Gradient accumulation and whole-batch statistics
+------------------------------------------------
+A statistic such as M2PO's must see every token of the optimizer batch (all ranks, all
+micro-batches), but a backward pass must not wait for it. With ``micro_batch_size`` set, the
+module uses **manual optimization**: (1) a no-grad forward over the whole batch in micro-batches
+gives the log-probs, from which :meth:`RLPolicy.loss_context` fixes the whole-batch context
+(the loss normalisers, the M2 keep mask all-gathered across ranks and, if ``kl_coef > 0``, the
+reference log-probs); (2) each micro-batch is run again with grad and back-propagated with that
+fixed context (DDP gradient sync only on the last one); (3) one clip + optimizer step. This
+costs one extra forward (~1/3 more compute) only when micro-batching; with
+``micro_batch_size=None`` (or >= the batch) the single grad forward's detached log-probs feed the
+context directly. Dropout is disabled at load (``disable_dropout``) so that the two passes, and
+the ratio on fresh data, agree.
+
+Extension point: a new objective is one method
+----------------------------------------------
+Subclass :class:`RLPolicy` and implement :meth:`RLPolicy.compute_loss`
+(``(batch, logp) -> (loss, metrics)``); optionally extend :meth:`RLPolicy.loss_context` when the
+objective needs a whole-batch statistic or per-batch state. ``batch`` there is a (micro-)batch
+of *shifted* tensors, all ``[b, T-1]`` and aligned with ``logp``: ``mask`` (bool, trained
+tokens), ``logp_behaviour``, ``advantages`` (per token, 0 off mask), ``versions``; plus
+``sample_advantages`` / ``rewards`` ``[b]``, ``n_tokens`` / ``n_samples`` (the normalisers: loss
+tokens / samples of the whole optimizer batch over all ranks / world size) and whatever
+:meth:`RLPolicy.loss_context` added. Return a loss normalised by ``batch["n_tokens"]`` (or
+``batch["n_samples"]``) so micro-batch losses add up to the batch loss; metric values are
+scalars (combined over micro-batches by a token-weighted mean, ``*_loss`` summed,
+``*_max``/``*_min`` by max/min) and are logged as ``train/<name>``. The KL penalty is added by the
+base class, so every objective gets it. ``examples/custom_trainer/`` is a worked example
+(REINFORCE with a running-mean baseline) run by ``astralight fit`` through YAML ``class_path``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from typing import Any, Literal
@@ -84,18 +96,35 @@ def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Mo
     return model
 
 
-class M2POPolicy(pl.LightningModule):
-    """Trains one policy with M2PO (or its released variant, or PPO-clip) on dataflow batches.
+def _init_arg_order(cls: type) -> dict[str, int]:
+    """Position of every named ``__init__`` argument, most-derived class first."""
+    order: dict[str, int] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for name, param in inspect.signature(init).parameters.items():
+            if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                order.setdefault(name, len(order))
+        if klass is RLPolicy:
+            break
+    return order
+
+
+class RLPolicy(pl.LightningModule):
+    """Base LightningModule of a policy trainer: everything but the objective.
+
+    Subclass it and implement :meth:`compute_loss` (the one required method) to train a policy
+    with a new objective; the model, the batch plumbing, micro-batching, the KL penalty, the
+    optimizer, the acknowledgement of batches and the metrics are shared with
+    :class:`M2POPolicy`. Name the subclass in the trainer config
+    (``model: {class_path: my_module.MyPolicy, init_args: {...}}``) and run ``astralight fit``.
 
     Args:
         model_path: Hugging Face model folder (the same folder the RaaS starts from: version 0).
         model_id: the policy this trainer owns; batches of another ``model_id`` are refused.
-        loss: ``"m2po"`` (paper), ``"m2po_harmful"`` (released code's variant) or ``"ppo_clip"``.
-        m2_threshold: M2PO's second-moment budget on ``(log r)^2`` (paper default 0.04).
-        clip_eps: PPO clip range (``ppo_clip`` only); ``clip_eps_high``: DAPO clip-higher bound.
-        harmful_min_eps_low / harmful_min_eps_high: floors on the adaptive clip range of
-            ``m2po_harmful`` (the released code's ``miniclip_low/high``; unset in its scripts).
-        kl_coef: k3 KL penalty to the initial model; 0 loads no reference model.
+        kl_coef: k3 KL penalty to the initial model, added to every objective's loss; 0 loads
+            no reference model.
         temperature: sampling temperature of the behaviour policy; batches whose samples say
             otherwise are refused (their behaviour log-probs would not be comparable).
         lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
@@ -106,18 +135,17 @@ class M2POPolicy(pl.LightningModule):
         gradient_checkpointing: trade compute for activation memory in the HF model.
         disable_dropout: zero every dropout of the loaded model (recommended for RL).
         logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
+
+    A subclass with its own arguments takes them first and passes the rest on, e.g.
+    ``def __init__(self, model_path: str, my_arg: float = 1.0, **kwargs)`` then
+    ``super().__init__(model_path, **kwargs)``: ``astralight fit`` (jsonargparse) follows the
+    ``**kwargs`` to these arguments, and every argument lands in ``hparams`` and checkpoints.
     """
 
     def __init__(
         self,
         model_path: str,
         model_id: str = "policy",
-        loss: Literal["m2po", "m2po_harmful", "ppo_clip"] = "m2po",
-        m2_threshold: float = 0.04,
-        clip_eps: float = 0.2,
-        clip_eps_high: float | None = None,
-        harmful_min_eps_low: float | None = None,
-        harmful_min_eps_high: float | None = None,
         kl_coef: float = 0.0,
         temperature: float = 1.0,
         lr: float = 1e-4,
@@ -133,23 +161,30 @@ class M2POPolicy(pl.LightningModule):
         logprob_chunk_tokens: int | None = None,
     ):
         super().__init__()
-        if loss not in LOSSES:
-            raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
+        cls = type(self)
+        if getattr(cls.compute_loss, "_rl_policy_abstract", False):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__} does not implement compute_loss(batch, logp) "
+                "-> (loss, metrics): RLPolicy is a base class with no objective. Define "
+                "compute_loss in your subclass (see the astralight.policy docstring and "
+                "examples/custom_trainer/reinforce.py), or use astralight.policy.M2POPolicy")
         if temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        # Collects the init arguments of this class and of every subclass __init__ in the call
+        # chain (those that call super().__init__), so a subclass's own arguments are saved too;
+        # then saves them again in the most-derived signature's order (hparams.yaml reads as the
+        # subclass's signature, and M2POPolicy's is the order it always had).
         self.save_hyperparameters()
+        order = _init_arg_order(cls)
+        names = sorted(self.hparams, key=lambda k: order.get(k, len(order)))
+        self.hparams.clear()  # save_hyperparameters updates the dict in place: refill it in order
+        self.save_hyperparameters(*names)
         self.model_path = model_path
         self.model_id = model_id
-        self.loss_name = loss
-        self.m2_threshold = m2_threshold
-        self.clip_eps = clip_eps
-        self.clip_eps_high = clip_eps_high
-        self.harmful_min_eps_low = harmful_min_eps_low
-        self.harmful_min_eps_high = harmful_min_eps_high
         self.kl_coef = kl_coef
         self.temperature = temperature
         self.lr = lr
@@ -282,23 +317,19 @@ class M2POPolicy(pl.LightningModule):
     def loss_context(self, batch: dict, logp: Tensor) -> dict[str, Any]:
         """Whole-batch quantities fixed before any backward (``logp`` is detached, ``[B, T-1]``).
 
-        Returns ``n_tokens`` (loss tokens over all ranks / world size, so DDP's gradient average
-        equals the token mean of the global batch) and, per objective, the M2 keep mask
-        (``m2_keep``, ``m2_selection``), the harmful clip (``harmful_clip``), the reference
-        log-probs (``ref_logp``). Tensors with the batch as first dim are sliced per micro-batch.
+        Called once per optimizer batch (before the first micro-batch), so it is also the place
+        for per-batch state of an objective (e.g. a running baseline); extend it with
+        ``ctx = super().loss_context(batch, logp)``. Returns ``n_tokens`` / ``n_samples`` (loss
+        tokens / samples over all ranks / world size, so DDP's gradient average equals the mean
+        over the global batch) and, if ``kl_coef > 0``, the reference log-probs (``ref_logp``).
+        Tensors with the batch as first dim are sliced per micro-batch.
         """
         mask = batch["mask"]
-        local = mask.sum().to(torch.float32)
-        world = self.trainer.world_size if self._trainer is not None else 1
-        ctx: dict[str, Any] = {"n_tokens": all_reduce_sum(local) / max(1, world)}
-        if self.loss_name == "m2po":
-            keep, sel = m2po_keep_mask(logp, batch["logp_behaviour"], mask, self.m2_threshold)
-            ctx["m2_keep"] = keep
-            ctx["m2_selection"] = sel
-        elif self.loss_name == "m2po_harmful":
-            ctx["harmful_clip"] = m2_harmful_clip(
-                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
-                self.harmful_min_eps_low, self.harmful_min_eps_high)
+        local = torch.stack([mask.sum().to(torch.float32),
+                             torch.tensor(float(mask.shape[0]), device=mask.device)])
+        world = max(1, self.trainer.world_size if self._trainer is not None else 1)
+        total = all_reduce_sum(local)
+        ctx: dict[str, Any] = {"n_tokens": total[0] / world, "n_samples": total[1] / world}
         if self.kl_coef > 0:
             ctx["ref_logp"] = self._reference_logprobs(batch)
         return ctx
@@ -313,24 +344,36 @@ class M2POPolicy(pl.LightningModule):
         return torch.cat(parts)
 
     def compute_loss(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The objective on one (micro-)batch; override to plug a new one (see module docstring)."""
-        mask, n_tokens = batch["mask"], batch["n_tokens"]
-        if self.loss_name == "m2po":
-            loss, metrics = m2po_loss(
-                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
-                keep=batch["m2_keep"], n_tokens=n_tokens, selection=batch["m2_selection"])
-        elif self.loss_name == "m2po_harmful":
-            loss, metrics = m2po_harmful_loss(
-                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
-                clip=batch["harmful_clip"], n_tokens=n_tokens)
-        else:
-            loss, metrics = ppo_clip_loss(
-                logp, batch["logp_behaviour"], batch["advantages"], mask, self.clip_eps,
-                self.clip_eps_high, n_tokens=n_tokens)
+        """The objective on one (micro-)batch: **the one method a subclass implements**.
+
+        Args:
+            batch: the prepared (micro-)batch plus the :meth:`loss_context` entries; all tensors
+                shifted to next-token targets and aligned with ``logp``: ``mask`` (bool
+                ``[b, T-1]``, the trained tokens), ``logp_behaviour`` (``[b, T-1]``, the
+                sampler's log-probs, 0 off mask), ``advantages`` (per token, 0 off mask),
+                ``versions`` (policy version per token), ``sample_advantages`` and ``rewards``
+                (``[b]``), ``input_ids`` / ``attention_mask`` (unshifted ``[b, T]``), and the
+                normalisers ``n_tokens`` / ``n_samples`` of the whole optimizer batch.
+            logp: the current policy's log-prob of every next token, ``[b, T-1]``, with grad,
+                at the module temperature.
+
+        Returns:
+            ``(loss, metrics)``: a scalar loss to minimise, normalised by the whole batch's
+            ``n_tokens`` or ``n_samples`` (not the micro-batch's) so micro-batch losses add up;
+            and a dict of scalar metrics logged as ``train/<name>`` (detach them).
+        """
+        raise NotImplementedError(f"{type(self).__qualname__}.compute_loss")
+
+    compute_loss._rl_policy_abstract = True  # checked in __init__: a subclass must override it
+
+    def objective(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`compute_loss` plus the KL penalty to the reference model (if ``kl_coef > 0``)."""
+        loss, metrics = self.compute_loss(batch, logp)
         if self.kl_coef > 0:
-            kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], mask, self.kl_coef, n_tokens)
+            kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], batch["mask"], self.kl_coef,
+                                             batch["n_tokens"])
             loss = loss + kl_loss
-            metrics.update(kl_metrics)
+            metrics = {**metrics, **kl_metrics}
         return loss, metrics
 
     # ------------------------------------------------------------------ step
@@ -357,7 +400,7 @@ class M2POPolicy(pl.LightningModule):
         if len(slices) == 1:
             logp = self(batch["input_ids"], batch["attention_mask"])
             full = {**batch, **self.loss_context(batch, logp.detach())}
-            loss, metrics = self.compute_loss(full, logp)
+            loss, metrics = self.objective(full, logp)
             self._backward(loss, sync=True)
             out = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
             out["loss"] = loss.detach().float()
@@ -371,7 +414,7 @@ class M2POPolicy(pl.LightningModule):
         for i, sl in enumerate(slices):
             micro = self._slice(full, sl, n)
             logp = self(micro["input_ids"], micro["attention_mask"])
-            loss, metrics = self.compute_loss(micro, logp)
+            loss, metrics = self.objective(micro, logp)
             self._backward(loss, sync=i == len(slices) - 1)
             total_loss = total_loss + loss.detach().float()
             parts.append((float(micro["mask"].sum()), metrics))
@@ -463,6 +506,104 @@ class M2POPolicy(pl.LightningModule):
         return {k: v.detach().float() for k, v in stats.items()}
 
 
+class M2POPolicy(RLPolicy):
+    """Trains one policy with M2PO (or its released variant, or PPO-clip) on dataflow batches.
+
+    An :class:`RLPolicy` whose :meth:`compute_loss` is M2PO; :meth:`loss_context` adds the
+    whole-batch M2 selection (or the harmful-token clip range).
+
+    Args:
+        model_path: Hugging Face model folder (the same folder the RaaS starts from: version 0).
+        model_id: the policy this trainer owns; batches of another ``model_id`` are refused.
+        loss: ``"m2po"`` (paper), ``"m2po_harmful"`` (released code's variant) or ``"ppo_clip"``.
+        m2_threshold: M2PO's second-moment budget on ``(log r)^2`` (paper default 0.04).
+        clip_eps: PPO clip range (``ppo_clip`` only); ``clip_eps_high``: DAPO clip-higher bound.
+        harmful_min_eps_low / harmful_min_eps_high: floors on the adaptive clip range of
+            ``m2po_harmful`` (the released code's ``miniclip_low/high``; unset in its scripts).
+        kl_coef: k3 KL penalty to the initial model; 0 loads no reference model.
+        temperature: sampling temperature of the behaviour policy; batches whose samples say
+            otherwise are refused (their behaviour log-probs would not be comparable).
+        lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
+        micro_batch_size: samples per forward/backward; ``None`` = the whole batch at once.
+        grad_clip: max global gradient norm (``None`` or 0: no clipping, norm still logged).
+        normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
+        seed: torch seed set at fit start.
+        gradient_checkpointing: trade compute for activation memory in the HF model.
+        disable_dropout: zero every dropout of the loaded model (recommended for RL).
+        logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        model_id: str = "policy",
+        loss: Literal["m2po", "m2po_harmful", "ppo_clip"] = "m2po",
+        m2_threshold: float = 0.04,
+        clip_eps: float = 0.2,
+        clip_eps_high: float | None = None,
+        harmful_min_eps_low: float | None = None,
+        harmful_min_eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        temperature: float = 1.0,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        micro_batch_size: int | None = None,
+        grad_clip: float | None = 1.0,
+        normalize_advantages: bool = False,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        logprob_chunk_tokens: int | None = None,
+    ):
+        if loss not in LOSSES:
+            raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
+        super().__init__(
+            model_path=model_path, model_id=model_id, kl_coef=kl_coef, temperature=temperature,
+            lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
+            micro_batch_size=micro_batch_size, grad_clip=grad_clip,
+            normalize_advantages=normalize_advantages, seed=seed,
+            gradient_checkpointing=gradient_checkpointing, disable_dropout=disable_dropout,
+            logprob_chunk_tokens=logprob_chunk_tokens)
+        self.loss_name = loss
+        self.m2_threshold = m2_threshold
+        self.clip_eps = clip_eps
+        self.clip_eps_high = clip_eps_high
+        self.harmful_min_eps_low = harmful_min_eps_low
+        self.harmful_min_eps_high = harmful_min_eps_high
+
+    def loss_context(self, batch: dict, logp: Tensor) -> dict[str, Any]:
+        """The base context plus, per objective, the M2 keep mask (``m2_keep``,
+        ``m2_selection``, all-gathered over ranks) or the harmful clip (``harmful_clip``)."""
+        ctx = super().loss_context(batch, logp)
+        mask = batch["mask"]
+        if self.loss_name == "m2po":
+            keep, sel = m2po_keep_mask(logp, batch["logp_behaviour"], mask, self.m2_threshold)
+            ctx["m2_keep"] = keep
+            ctx["m2_selection"] = sel
+        elif self.loss_name == "m2po_harmful":
+            ctx["harmful_clip"] = m2_harmful_clip(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                self.harmful_min_eps_low, self.harmful_min_eps_high)
+        return ctx
+
+    def compute_loss(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """M2PO / M2PO-harmful / PPO-clip on one (micro-)batch, token-mean over ``n_tokens``."""
+        mask, n_tokens = batch["mask"], batch["n_tokens"]
+        if self.loss_name == "m2po":
+            return m2po_loss(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                keep=batch["m2_keep"], n_tokens=n_tokens, selection=batch["m2_selection"])
+        if self.loss_name == "m2po_harmful":
+            return m2po_harmful_loss(
+                logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
+                clip=batch["harmful_clip"], n_tokens=n_tokens)
+        return ppo_clip_loss(
+            logp, batch["logp_behaviour"], batch["advantages"], mask, self.clip_eps,
+            self.clip_eps_high, n_tokens=n_tokens)
+
+
 def _combine_metrics(parts: list[tuple[float, dict[str, Tensor]]]) -> dict[str, Tensor]:
     """Combine micro-batch metrics: ``*_loss`` add up (each is already normalised by the whole
     batch), ``*_max``/``*_min`` take max/min, everything else a token-weighted mean."""
@@ -485,4 +626,4 @@ def _combine_metrics(parts: list[tuple[float, dict[str, Tensor]]]) -> dict[str, 
     return out
 
 
-__all__ = ["M2POPolicy", "LOSSES", "load_causal_lm"]
+__all__ = ["RLPolicy", "M2POPolicy", "LOSSES", "load_causal_lm"]
