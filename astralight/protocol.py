@@ -24,6 +24,12 @@ WIRE_DTYPES = frozenset(
      "float16", "float32", "float64"}
 )
 MAX_ARRAY_ELEMENTS = 1 << 26  # 64M elements: far above any trajectory, far below an OOM
+MAX_ARRAY_DIMS = 8  # numpy refuses more than 64; no message needs more than 2
+MAX_DEPTH = 32  # nesting of maps/lists in a message (deeper input would exhaust the stack)
+MAX_NAME_LEN = 256  # ids and names: task_id, model_id, role, file names
+MAX_INDEX = 1 << 62  # sample_index, group_index: below SQLite's signed 64-bit integers
+MAX_VERSION = (1 << 53) - 1  # policy versions: exact in a JSON number, far below SQLite's int64
+_HEX = frozenset("0123456789abcdef")
 
 
 class ProtocolError(ValueError):
@@ -50,8 +56,13 @@ def _unpack_array(obj: Any, name: str) -> np.ndarray:
     dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(f"{name}.dtype", f"{dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise ProtocolError(f"{name}.shape", "must be a list of non-negative ints")
+    if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_ARRAY_ELEMENTS
+            for s in shape):
+        raise ProtocolError(f"{name}.shape", "must be a list of non-negative ints "
+                                             f"(each <= {MAX_ARRAY_ELEMENTS})")
+    if len(shape) > MAX_ARRAY_DIMS:
+        raise ProtocolError(f"{name}.shape", f"{len(shape)} dimensions exceed {MAX_ARRAY_DIMS}")
     if not isinstance(data, (bytes, bytearray)):
         raise ProtocolError(f"{name}.data", "must be raw bytes")
     count = math.prod(shape)
@@ -87,10 +98,54 @@ def _req(d: dict, key: str, types: type | tuple, where: str) -> Any:
     return value
 
 
+def _known(d: dict, cls: type, where: str) -> None:
+    """Refuse fields ``cls`` does not have (a typo or a foreign message must not pass silently)."""
+    names = {f.name for f in dataclasses.fields(cls)} | {"__type__"}
+    for key in d:
+        if key not in names:
+            raise ProtocolError(f"{where}.{str(key)[:64]}", f"unknown field of {cls.__name__}")
+
+
 def _opt(d: dict, key: str, types: type | tuple, where: str, default: Any) -> Any:
     if d.get(key) is None:
         return default
     return _req(d, key, types, where)
+
+
+def _name(value: Any, where: str, allow_empty: bool = False, plain: bool = True) -> str:
+    """An id or name: a string of at most MAX_NAME_LEN characters (``plain``: and no control
+    characters, for names that end up in paths and logs)."""
+    if not isinstance(value, str):
+        raise ProtocolError(where, f"expected str, got {type(value).__name__}")
+    if (not value and not allow_empty) or len(value) > MAX_NAME_LEN:
+        lo = 0 if allow_empty else 1
+        raise ProtocolError(where, f"must be {lo}..{MAX_NAME_LEN} characters, got {len(value)}")
+    if plain and any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ProtocolError(where, "must not contain control characters")
+    return value
+
+
+def _int_in(value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(where, f"expected int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ProtocolError(where, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _finite(value: Any, where: str, bound: float = float("inf")) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(where, f"expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or abs(value) > bound:
+        raise ProtocolError(where, f"must be finite{'' if bound == float('inf') else f' and |x| <= {bound:g}'}, "
+                                   f"got {value!r}")
+    return float(value)
+
+
+def _sha256_hex(value: Any, where: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or not set(value) <= _HEX:
+        raise ProtocolError(where, "must be a SHA-256 hex digest (64 lowercase hex characters)")
+    return value
 
 
 # ----------------------------------------------------------------------------- messages
@@ -132,6 +187,7 @@ class Task:
     def from_wire(cls, d: Any, where: str = "task") -> "Task":
         if not isinstance(d, dict):
             raise ProtocolError(where, "expected a map")
+        _known(d, cls, where)
         n = _req(d, "n", int, where)
         if n < 1:
             raise ProtocolError(f"{where}.n", "must be >= 1")
@@ -204,6 +260,7 @@ class Sample:
     def from_wire(cls, d: Any, where: str = "sample") -> "Sample":
         if not isinstance(d, dict):
             raise ProtocolError(where, "expected a map")
+        _known(d, cls, where)
         arrays = {}
         for name, dtype in (("token_ids", np.int32), ("logprobs", np.float32),
                             ("loss_mask", np.uint8), ("versions", np.int32)):
@@ -227,30 +284,39 @@ class Sample:
             raise ProtocolError(f"{where}.loss_mask", "must hold only 0 and 1")
         if np.any(arrays["token_ids"] < 0):
             raise ProtocolError(f"{where}.token_ids", "must be non-negative")
+        if np.any(arrays["versions"] < -1):
+            raise ProtocolError(f"{where}.versions", "must be policy versions >= 0, or -1 for "
+                                                     "prompt and environment tokens")
         reward = _req(d, "reward", (int, float), where)
         if not math.isfinite(reward):
             raise ProtocolError(f"{where}.reward", "must be finite")
+        reward = _finite(reward, f"{where}.reward")
         model_id = _req(d, "model_id", str, where)
         if not model_id:
             raise ProtocolError(f"{where}.model_id", "must not be empty")
+        _name(model_id, f"{where}.model_id", plain=False)
         sample_index = _req(d, "sample_index", int, where)
         if sample_index < 0:
             raise ProtocolError(f"{where}.sample_index", "must be >= 0")
+        _int_in(sample_index, f"{where}.sample_index", 0, MAX_INDEX)
         prompt_len = _opt(d, "prompt_len", int, where, 0)
         if not 0 <= prompt_len <= length:
             raise ProtocolError(f"{where}.prompt_len", f"must be in [0, {length}]")
+        floats = {k: _finite(_opt(d, k, (int, float), where, 0.0), f"{where}.{k}")
+                  for k in ("advantage", "group_mean", "group_std")}
         return cls(
-            task_id=_req(d, "task_id", str, where),
+            task_id=_name(_req(d, "task_id", str, where), f"{where}.task_id", allow_empty=True,
+                          plain=False),
             sample_index=sample_index,
             model_id=model_id,
-            reward=float(reward),
+            reward=reward,
             prompt_len=prompt_len,
-            group_index=_opt(d, "group_index", int, where, 0),
-            role=_opt(d, "role", str, where, ""),
-            advantage=float(_opt(d, "advantage", (int, float), where, 0.0)),
-            group_mean=float(_opt(d, "group_mean", (int, float), where, 0.0)),
-            group_std=float(_opt(d, "group_std", (int, float), where, 0.0)),
+            group_index=_int_in(_opt(d, "group_index", int, where, 0), f"{where}.group_index",
+                                0, MAX_INDEX),
+            role=_name(_opt(d, "role", str, where, ""), f"{where}.role", allow_empty=True,
+                       plain=False),
             metadata=_opt(d, "metadata", dict, where, {}),
+            **floats,
             **arrays,
         )
 
@@ -276,11 +342,13 @@ class Batch:
     def from_wire(cls, d: Any, where: str = "batch") -> "Batch":
         if not isinstance(d, dict):
             raise ProtocolError(where, "expected a map")
+        _known(d, cls, where)
         samples = _req(d, "samples", list, where)
         return cls(
             batch_id=_req(d, "batch_id", str, where),
             model_id=_req(d, "model_id", str, where),
-            policy_version=_req(d, "policy_version", int, where),
+            policy_version=_int_in(_req(d, "policy_version", int, where),
+                                   f"{where}.policy_version", 0, MAX_VERSION),
             samples=[Sample.from_wire(s, f"{where}.samples[{i}]") for i, s in enumerate(samples)],
         )
 
@@ -311,29 +379,49 @@ class WeightManifest:
     def from_wire(cls, d: Any, where: str = "manifest") -> "WeightManifest":
         if not isinstance(d, dict):
             raise ProtocolError(where, "expected a map")
+        _known(d, cls, where)
         kind = _req(d, "kind", str, where)
         if kind not in ("full", "delta"):
             raise ProtocolError(f"{where}.kind", "must be 'full' or 'delta'")
         version = _req(d, "version", int, where)
         if version < 0:
             raise ProtocolError(f"{where}.version", "must be >= 0")
+        _int_in(version, f"{where}.version", 0, MAX_VERSION)
         base = _opt(d, "base_version", int, where, None)
         if kind == "delta" and (base is None or base >= version):
             raise ProtocolError(f"{where}.base_version", "a delta needs base_version < version")
+        if base is not None:
+            _int_in(base, f"{where}.base_version", 0, MAX_VERSION)
         files = _req(d, "files", dict, where)
         for name, info in files.items():
-            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+            if (not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".")
+                    or not name or len(name) > MAX_NAME_LEN or "\x00" in name):
                 raise ProtocolError(f"{where}.files", f"bad file name {name!r}")
             if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
                 raise ProtocolError(f"{where}.files[{name}].sha256", "is required")
+            _sha256_hex(info["sha256"], f"{where}.files[{name}].sha256")
+            if info.get("bytes") is not None:
+                _int_in(info["bytes"], f"{where}.files[{name}].bytes", 0, 1 << 62)
+        tensors = _opt(d, "tensors", dict, where, {})
+        for name, info in tensors.items():
+            at = f"{where}.tensors[{name}]"
+            if not isinstance(name, str) or not isinstance(info, dict):
+                raise ProtocolError(at, "must map a tensor name to {dtype, shape, sha256}")
+            if not isinstance(info.get("dtype"), str):
+                raise ProtocolError(f"{at}.dtype", "is required (a dtype name)")
+            shape = info.get("shape")
+            if not isinstance(shape, list) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+                raise ProtocolError(f"{at}.shape", "must be a list of non-negative ints")
+            _sha256_hex(info.get("sha256"), f"{at}.sha256")
         return cls(
-            model_id=_req(d, "model_id", str, where),
+            model_id=_name(_req(d, "model_id", str, where), f"{where}.model_id"),
             version=version,
             kind=kind,
             files=files,
             base_version=base,
-            tensors=_opt(d, "tensors", dict, where, {}),
-            created=float(_opt(d, "created", (int, float), where, 0.0)),
+            tensors=tensors,
+            created=_finite(_opt(d, "created", (int, float), where, 0.0), f"{where}.created"),
             metadata=_opt(d, "metadata", dict, where, {}),
         )
 
@@ -365,14 +453,30 @@ def encode(payload: Any) -> bytes:
                          use_bin_type=True)
 
 
+class _ExtRefused(ValueError):
+    pass
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise _ExtRefused(code)
+
+
 def decode(data: bytes, max_bytes: int | None = None) -> Any:
-    """Decode and validate a message; raises :class:`ProtocolError` naming the bad field."""
+    """Decode and validate a message; raises :class:`ProtocolError` naming the bad field.
+
+    Only plain msgpack values are accepted: maps, arrays, strings, bytes, numbers, booleans and
+    nil. Extension types (and msgpack timestamps) are refused, so nothing in a message can ask
+    the decoder to build an arbitrary object; nesting is bounded by ``MAX_DEPTH``.
+    """
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("body", f"{len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         env = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data),
                               max_str_len=len(data), max_array_len=len(data),
-                              max_map_len=len(data))
+                              max_map_len=len(data), max_ext_len=len(data), ext_hook=_refuse_ext)
+    except _ExtRefused as exc:
+        raise ProtocolError("body", f"msgpack extension type {exc.args[0]} is not accepted "
+                                    "(plain maps, arrays, strings, bytes and numbers only)") from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError("body", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(env, dict) or "schema" not in env or "body" not in env:
@@ -382,11 +486,13 @@ def decode(data: bytes, max_bytes: int | None = None) -> Any:
             "schema", f"version {env['schema']!r} not supported (this build speaks {SCHEMA_VERSION})"
         )
 
+    _check_plain(env["body"], "body")
+
     def rebuild(obj: Any, where: str) -> Any:
         if isinstance(obj, dict):
             tag = obj.get("__type__")
             if tag is not None:
-                cls = _TYPES.get(tag)
+                cls = _TYPES.get(tag) if isinstance(tag, str) else None
                 if cls is None:
                     raise ProtocolError(f"{where}.__type__", f"unknown type {tag!r}")
                 return cls.from_wire(obj, where)
@@ -398,6 +504,25 @@ def decode(data: bytes, max_bytes: int | None = None) -> Any:
         return obj
 
     return rebuild(env["body"], "body")
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and anything but plain msgpack values (iteratively:
+    a hostile message must not exhaust the stack)."""
+    stack = [(obj, where, 0)]
+    while stack:
+        obj, where, depth = stack.pop()
+        if isinstance(obj, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise ProtocolError(where, f"nested deeper than {MAX_DEPTH} levels")
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            for k, v in items:
+                if isinstance(v, (dict, list)) or not (v is None or isinstance(
+                        v, (str, bytes, int, float, bool))):
+                    stack.append((v, f"{where}.{k}" if isinstance(obj, dict) else f"{where}[{k}]",
+                                  depth + 1))
+        elif not (obj is None or isinstance(obj, (str, bytes, int, float, bool))):
+            raise ProtocolError(where, f"{type(obj).__name__} is not a plain msgpack value")
 
 
 def expect(obj: Any, cls: type, where: str = "body") -> Any:

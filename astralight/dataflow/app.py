@@ -2,9 +2,28 @@
 
 Request and response bodies are msgpack (``application/msgpack``, via :mod:`astralight.protocol`);
 only ``/v1/info``, ``/v1/stats``, ``/v1/eval/{model_id}`` and ``/v1/counters/{model_id}`` answer
-JSON, and weight files travel as raw bytes (with HTTP Range on download). Every route is guarded by ``ASTRALIGHT_TOKEN`` when it
-is set. A bad request gets a 4xx JSON ``{"error", "field"}``; an unexpected exception a 500 JSON,
-logged with its traceback; neither stops the server.
+JSON, and weight files travel as raw bytes (with HTTP Range on download). A bad request gets a 4xx
+JSON ``{"error", "field"}``; an unexpected exception a 500 JSON, logged with its traceback; neither
+stops the server.
+
+Security, enforced here so that nothing invalid reaches the core (:class:`Dataflow`):
+
+* **auth** -- with ``ASTRALIGHT_TOKEN`` set, :class:`BearerAuth` wraps the whole ASGI app, so every
+  route (and any route added later, and unknown paths) needs ``Authorization: Bearer <token>``;
+  the comparison is constant-time over SHA-256 digests (no length leak either).
+* **size** -- every msgpack body is read through :func:`read_body` (``max_body_bytes``, 413 before
+  parsing); weight uploads are streamed against ``max_weight_file_bytes``.
+* **schema** -- :func:`astralight.protocol.decode` refuses anything but plain msgpack values
+  (no extension types, no object arrays, bounded nesting, array dtype/shape/byte-count checked);
+  each route then accepts only its own fields (an unknown field is a 422), with types, ranges
+  and lengths checked (ids: 1..256 printable characters; counts and versions bounded so that
+  they fit SQLite's integers; every float finite). The core adds the checks that need state:
+  model_id known, task leased, versions newer, sha256 of uploads.
+* **observation** -- :class:`ClientStats` counts requests and 4xx/5xx answers per client address
+  and per ``instance_id`` named in a body, shown under ``clients`` / ``client_instances`` in
+  ``/v1/stats``; a client's 1st, 10th, 100th... failure is logged.
+* **no code from the wire** -- nothing here unpickles or evaluates client data; bodies are msgpack
+  decoded by :mod:`astralight.protocol` only.
 
 Route handlers only parse and format: the state machine is :class:`~astralight.dataflow.core.Dataflow`,
 whose blocking calls (SQLite commits with fsync) run in the thread pool so that long-polling pulls
@@ -14,42 +33,79 @@ keep waiting on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import hashlib
 import hmac
 import json
 import logging
+import math
 import os
+import threading
+import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
-from astralight.protocol import ProtocolError, Sample, WeightManifest, decode, encode, expect
+from astralight.protocol import (MAX_VERSION, ProtocolError, Sample, WeightManifest, decode,
+                                 encode, expect)
 
 log = logging.getLogger("astralight.dataflow")
 
 MSGPACK = "application/msgpack"
 _REQUIRED = object()
 
+MAX_ID_LEN = 256  # instance, task, batch, trainer ids
+MAX_COUNT = 1_000_000  # capacities and in-flight counts
+MAX_LIST = 4096  # model_ids or task_ids in one request
+MAX_SECONDS = 1e7  # timings and timeouts
+MAX_ABS_REWARD = 1e9  # beyond this the group statistics' variance overflows float64
+MAX_INT64 = (1 << 63) - 1
+
+#: per request: what the handlers learned about the caller (instance_id, failing field)
+_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("astralight_request",
+                                                                        default=None)
+
+
+def _note(**kw) -> None:
+    """Tell :class:`ClientStats` about the current request (works from the thread pool too:
+    the context is copied, the dict it holds is shared)."""
+    info = _REQUEST.get()
+    if info is not None:
+        info.update(kw)
+
 
 # ----------------------------------------------------------------------------- plumbing
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <token>``."""
+    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <token>``.
+
+    It wraps the whole app, so no route (including ones added later, weight uploads and
+    downloads, and unknown paths) is reachable without the token. Digests of the header and of
+    the expected value are compared with :func:`hmac.compare_digest`: constant time, and the
+    token's length does not leak either. Only ``lifespan`` events pass without a token.
+    """
 
     def __init__(self, app, token: str):
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # no websocket routes: refuse before routing
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] == "http":
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            values = [v for k, v in scope["headers"] if k == b"authorization"]
+            got = hashlib.sha256(values[0] if len(values) == 1 else b"").digest()
             if not hmac.compare_digest(got, self.expected):
                 body = json.dumps({"error": "authorization: missing or wrong bearer token "
                                             "(set ASTRALIGHT_TOKEN on both sides)",
@@ -60,6 +116,134 @@ class BearerAuth:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+
+_LOG_AT = frozenset(10 ** k for k in range(13))  # log a client's 1st, 10th, 100th... failure
+
+
+class _ClientEntry:
+    """Counters of one client (an address or an instance_id)."""
+
+    __slots__ = ("requests", "failures_4xx", "failures_5xx", "auth_failures", "first_seen",
+                 "last_seen", "last_failure", "_buckets", "_stamps")
+
+    def __init__(self, now: float):
+        self.requests = self.failures_4xx = self.failures_5xx = self.auth_failures = 0
+        self.first_seen = self.last_seen = now
+        self.last_failure: dict | None = None
+        self._buckets = [0] * 60  # failures per second over the last minute (a ring)
+        self._stamps = [0] * 60
+
+    def fail(self, now: float) -> None:
+        sec = int(now)
+        i = sec % 60
+        if self._stamps[i] != sec:
+            self._stamps[i], self._buckets[i] = sec, 0
+        self._buckets[i] += 1
+
+    def as_dict(self, now: float) -> dict:
+        sec = int(now)
+        recent = sum(b for b, t in zip(self._buckets, self._stamps) if sec - t < 60)
+        return {"requests": self.requests, "failures_4xx": self.failures_4xx,
+                "failures_5xx": self.failures_5xx, "auth_failures": self.auth_failures,
+                "failures_last_60s": recent, "first_seen": self.first_seen,
+                "last_seen": self.last_seen, "last_failure": self.last_failure}
+
+
+class ClientTracker:
+    """Requests and failures per client address and per ``instance_id``, bounded in memory.
+
+    At most ``max_entries`` of each are kept; the least recently seen is forgotten first (counted
+    in ``evicted``), so a flood of made-up instance ids cannot grow the table.
+    """
+
+    def __init__(self, max_entries: int = 1024):
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._tables: dict[str, OrderedDict[str, _ClientEntry]] = {
+            "address": OrderedDict(), "instance": OrderedDict()}
+        self.evicted = 0
+
+    def _entry(self, kind: str, key: str, now: float) -> _ClientEntry:
+        table = self._tables[kind]
+        entry = table.get(key)
+        if entry is None:
+            entry = table[key] = _ClientEntry(now)
+            while len(table) > self.max_entries:
+                table.popitem(last=False)
+                self.evicted += 1
+        else:
+            table.move_to_end(key)
+        return entry
+
+    def record(self, address: str, instance_id: str | None, status: int, method: str, path: str,
+               field_name: str | None, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        failed = status >= 400
+        with self._lock:
+            keys = [("address", address)] + ([("instance", instance_id)] if instance_id else [])
+            for kind, key in keys:
+                e = self._entry(kind, key, now)
+                e.requests += 1
+                e.last_seen = now
+                if not failed:
+                    continue
+                if status >= 500:
+                    e.failures_5xx += 1
+                else:
+                    e.failures_4xx += 1
+                if status in (401, 403):
+                    e.auth_failures += 1
+                e.fail(now)
+                e.last_failure = {"time": now, "status": status, "method": method,
+                                  "path": path[:200], "field": field_name}
+                n = e.failures_4xx + e.failures_5xx
+                if n in _LOG_AT:
+                    log.warning("client %s (%s): %d failed request(s), last %d %s %s (field %s)",
+                                key, kind, n, status, method, path[:200], field_name)
+
+    def snapshot(self, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        with self._lock:
+            return {kind: {k: e.as_dict(now) for k, e in table.items()}
+                    for kind, table in self._tables.items()} | {"evicted": self.evicted}
+
+
+class ClientStats:
+    """ASGI middleware (outermost): records every HTTP answer's status per client in a
+    :class:`ClientTracker`, including 401s of :class:`BearerAuth` and unhandled errors."""
+
+    def __init__(self, app, tracker: ClientTracker):
+        self.app = app
+        self.tracker = tracker
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        info: dict = {}
+        status: list[int] = []
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        reset = _REQUEST.set(info)
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception:
+            status.append(500)
+            raise
+        finally:
+            _REQUEST.reset(reset)
+            if status:  # none: the client went away before an answer
+                client = scope.get("client")
+                address = client[0] if client else "unknown"
+                instance_id = info.get("instance_id")
+                self.tracker.record(address, instance_id if isinstance(instance_id, str) else None,
+                                    status[0], scope.get("method", ""), scope.get("path", ""),
+                                    info.get("field"))
 
 
 class Wakeups:
@@ -97,6 +281,81 @@ def field(msg: dict, name: str, types: type | tuple, default: Any = _REQUIRED) -
     return value
 
 
+def check_id(value: Any, name: str) -> str:
+    """An id (instance, task, batch, trainer, model): 1..MAX_ID_LEN printable characters."""
+    if not isinstance(value, str):
+        raise ProtocolError(name, f"expected str, got {type(value).__name__}")
+    if not 0 < len(value) <= MAX_ID_LEN:
+        raise ProtocolError(name, f"must be 1..{MAX_ID_LEN} characters, got {len(value)}")
+    if not value.isprintable():
+        raise ProtocolError(name, "must hold printable characters only")
+    return value
+
+
+def id_field(msg: dict, name: str, default: Any = _REQUIRED) -> Any:
+    value = field(msg, name, str, default)
+    return value if value is default and default is not _REQUIRED else check_id(value, name)
+
+
+def int_field(msg: dict, name: str, lo: int, hi: int, default: Any = _REQUIRED) -> Any:
+    value = field(msg, name, int, default)
+    if value is not default and not lo <= value <= hi:
+        raise ProtocolError(name, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def num_field(msg: dict, name: str, lo: float, hi: float, default: Any = _REQUIRED) -> Any:
+    """A finite number in ``[lo, hi]`` (ints accepted), as float."""
+    value = field(msg, name, (int, float), default)
+    if value is default:
+        return value
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ProtocolError(name, f"must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def only_fields(msg: dict, allowed: tuple[str, ...]) -> dict:
+    """Refuse fields a route does not know (a typo would otherwise be ignored silently)."""
+    for key in msg:
+        if key not in allowed:
+            raise ProtocolError(str(key)[:64], f"unknown field; this route takes {list(allowed)}")
+    return msg
+
+
+def check_json_value(value: Any, name: str, depth: int = 0) -> Any:
+    """Free-form metadata stored as JSON: str keys; str, int64, finite float, bool, nil, lists
+    and maps only (no bytes, no arrays, no NaN)."""
+    if depth > 16:
+        raise ProtocolError(name, "nested deeper than 16 levels")
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, int):
+        if not -MAX_INT64 - 1 <= value <= MAX_INT64:
+            raise ProtocolError(name, "integer does not fit 64 signed bits")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ProtocolError(name, f"must be finite, got {value!r}")
+        return value
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json_value(v, f"{name}[{i}]", depth + 1)
+        return value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ProtocolError(name, f"keys must be strings, got {type(k).__name__}")
+            check_json_value(v, f"{name}.{k}", depth + 1)
+        return value
+    raise ProtocolError(name, f"{type(value).__name__} is not allowed here (JSON values only)")
+
+
+def check_version(version: int, name: str = "version") -> int:
+    if not 0 <= version <= MAX_VERSION:
+        raise ProtocolError(name, f"must be in [0, {MAX_VERSION}], got {version}")
+    return version
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 once it exceeds ``limit`` bytes."""
     declared = request.headers.get("content-length")
@@ -111,10 +370,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
-def decode_map(data: bytes, limit: int) -> dict:
+def decode_map(data: bytes, limit: int, allowed: tuple[str, ...] | None = None) -> dict:
+    """Decode a request map; with ``allowed``, refuse any other field. An ``instance_id`` in it
+    is noted for :class:`ClientStats`."""
     msg = decode(data, max_bytes=limit)
     if not isinstance(msg, dict):
         raise ProtocolError("body", "expected a map of request fields")
+    iid = msg.get("instance_id")
+    if isinstance(iid, str) and 0 < len(iid) <= MAX_ID_LEN and iid.isprintable():
+        _note(instance_id=iid)
+    if allowed is not None:
+        only_fields(msg, allowed)
     return msg
 
 
@@ -128,12 +394,14 @@ def _error(status: int, field_name: str | None, message: str) -> JSONResponse:
 def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     """Build the service app around a fresh :class:`Dataflow` on ``config.state_dir``.
 
-    ``token`` defaults to the ``ASTRALIGHT_TOKEN`` environment variable; empty means no auth.
+    ``token`` defaults to the ``ASTRALIGHT_TOKEN`` environment variable; empty means no auth
+    (then bind only to loopback: :func:`astralight.dataflow.service.check_bind` enforces it).
     """
     core = Dataflow(config)
     wake = Wakeups(core.model_ids)
     limit = config.max_body_bytes
     token = os.environ.get("ASTRALIGHT_TOKEN", "") if token is None else token
+    tracker = ClientTracker(config.max_clients_tracked)
     sweep_every = min(1.0, max(0.05, config.batch_ack_timeout_s / 4))
 
     async def sweeper() -> None:
@@ -161,19 +429,24 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
                   openapi_url=None)
     app.state.dataflow = core
     app.state.wakeups = wake
+    app.state.clients = tracker
+    app.state.auth = bool(token)
     if token:
         app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(ClientStats, tracker=tracker)  # added last: outermost, sees the 401s
 
     # -- errors -------------------------------------------------------------
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
         log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc)
+        _note(field=exc.field)
         return _error(exc.status, exc.field, str(exc))
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(request: Request, exc: ProtocolError):
         log.warning("%s %s -> 422 %s", request.method, request.url.path, exc)
+        _note(field=exc.field)
         return _error(422, exc.field, str(exc))
 
     @app.exception_handler(RequestValidationError)
@@ -182,7 +455,12 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         loc = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else "request"
         msg = f"{loc}: {errs[0]['msg']}" if errs else "invalid request"
         log.warning("%s %s -> 422 %s", request.method, request.url.path, msg)
+        _note(field=loc)
         return _error(422, loc, msg)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnect(request: Request, exc: ClientDisconnect):
+        return _error(400, "body", "client disconnected before the body was read")
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
@@ -197,7 +475,12 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats():
-        return await run_in_threadpool(core.stats)
+        out = await run_in_threadpool(core.stats)
+        clients = tracker.snapshot()
+        out["clients"] = clients["address"]
+        out["client_instances"] = clients["instance"]
+        out["clients_evicted"] = clients["evicted"]
+        return out
 
     @app.get("/v1/eval/{model_id}")
     async def eval_results(model_id: str):
@@ -205,38 +488,45 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return {str(v): r for v, r in results.items()}
 
     @app.get("/v1/balance/{model_id}")
-    async def balance_report(model_id: str, window: int = 10, pool: int | None = None):
+    async def balance_report(model_id: str, window: int = Query(10, ge=1, le=MAX_COUNT),
+                             pool: int | None = Query(None, ge=0, le=MAX_COUNT)):
         return await run_in_threadpool(core.balance, model_id, window, pool)
 
     @app.get("/v1/counters/{model_id}")
-    async def version_counters(model_id: str, since: int = 0):
+    async def version_counters(model_id: str, since: int = Query(0, ge=0, le=MAX_VERSION)):
         counters = await run_in_threadpool(core.version_counters, model_id, since)
         return {"model_id": model_id, "versions": {str(v): c for v, c in counters.items()}}
 
     # -- RaaS side ----------------------------------------------------------
 
     def _register(data: bytes) -> dict:
-        msg = decode_map(data, limit)
+        msg = decode_map(data, limit, ("model_ids", "capacity", "instance_id", "meta",
+                                       "capacity_units"))
         model_ids = field(msg, "model_ids", list)
         if not all(isinstance(m, str) for m in model_ids):
             raise ProtocolError("model_ids", "must be a list of strings")
+        if not 0 < len(model_ids) <= MAX_LIST:
+            raise ProtocolError("model_ids", f"must list 1..{MAX_LIST} model_ids")
+        for i, m in enumerate(model_ids):
+            check_id(m, f"model_ids[{i}]")
         units = float(field(msg, "capacity_units", (int, float), 1.0))
         if not 0 < units < 1e6:
             raise ProtocolError("capacity_units", f"must be > 0 (GPUs or CPU slots), got {units}")
-        return core.register(model_ids, field(msg, "capacity", int, 1),
-                             field(msg, "instance_id", str, None), field(msg, "meta", dict, {}),
-                             capacity_units=units)
+        instance_id = field(msg, "instance_id", str, None) or None  # empty: the service names it
+        if instance_id is not None:
+            check_id(instance_id, "instance_id")
+        meta = check_json_value(field(msg, "meta", dict, {}), "meta")
+        return core.register(model_ids, int_field(msg, "capacity", 0, MAX_COUNT, 1), instance_id,
+                             meta, capacity_units=units)
 
     @app.post("/v1/register")
     async def register(request: Request):
         return msgpack_response(await run_in_threadpool(_register, await read_body(request, limit)))
 
     def _heartbeat(data: bytes) -> dict:
-        msg = decode_map(data, limit)
-        in_flight = field(msg, "in_flight", int, None)
-        if in_flight is not None and in_flight < 0:
-            raise ProtocolError("in_flight", f"must be >= 0 tasks, got {in_flight}")
-        return core.heartbeat(field(msg, "instance_id", str), in_flight)
+        msg = decode_map(data, limit, ("instance_id", "in_flight"))
+        in_flight = int_field(msg, "in_flight", 0, MAX_COUNT, None)
+        return core.heartbeat(id_field(msg, "instance_id"), in_flight)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request):
@@ -244,15 +534,19 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/instances/{instance_id}/drain")
     async def drain(instance_id: str):
+        check_id(instance_id, "instance_id")
         return msgpack_response(await run_in_threadpool(core.drain, instance_id))
 
     def _return(data: bytes) -> dict:
-        msg = decode_map(data, limit)
+        msg = decode_map(data, limit, ("instance_id", "task_ids", "failed"))
         task_ids = field(msg, "task_ids", list)
+        if len(task_ids) > MAX_LIST:
+            raise ProtocolError("task_ids", f"at most {MAX_LIST} task ids per request")
         for i, t in enumerate(task_ids):
             if not isinstance(t, str):
                 raise ProtocolError(f"task_ids[{i}]", f"expected str, got {type(t).__name__}")
-        return core.return_tasks(field(msg, "instance_id", str), task_ids,
+            check_id(t, f"task_ids[{i}]")
+        return core.return_tasks(id_field(msg, "instance_id"), task_ids,
                                  field(msg, "failed", bool, False))
 
     @app.post("/v1/return")
@@ -260,7 +554,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return msgpack_response(await run_in_threadpool(_return, await read_body(request, limit)))
 
     def _deregister(data: bytes) -> dict:
-        return core.deregister(field(decode_map(data, limit), "instance_id", str))
+        return core.deregister(id_field(decode_map(data, limit, ("instance_id",)), "instance_id"))
 
     @app.post("/v1/deregister")
     async def deregister(request: Request):
@@ -268,8 +562,8 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
                                                         await read_body(request, limit)))
 
     def _lease(data: bytes) -> dict:
-        msg = decode_map(data, limit)
-        tasks = core.lease(field(msg, "instance_id", str), field(msg, "max_tasks", int))
+        msg = decode_map(data, limit, ("instance_id", "max_tasks"))
+        tasks = core.lease(id_field(msg, "instance_id"), field(msg, "max_tasks", int))
         return {"tasks": tasks}
 
     @app.post("/v1/lease")
@@ -277,11 +571,14 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return msgpack_response(await run_in_threadpool(_lease, await read_body(request, limit)))
 
     def _push(data: bytes) -> dict:
-        msg = decode_map(data, limit)
+        msg = decode_map(data, limit, ("instance_id", "task_id", "samples"))
         samples = field(msg, "samples", list)
         for i, s in enumerate(samples):
             expect(s, Sample, f"samples[{i}]")
-        return core.push(field(msg, "instance_id", str), field(msg, "task_id", str), samples)
+            if not abs(s.reward) <= MAX_ABS_REWARD:
+                raise ProtocolError(f"samples[{i}].reward",
+                                    f"|reward| must be <= {MAX_ABS_REWARD:g}, got {s.reward!r}")
+        return core.push(id_field(msg, "instance_id"), id_field(msg, "task_id"), samples)
 
     @app.post("/v1/push")
     async def push(request: Request):
@@ -294,12 +591,13 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/pull")
     async def pull(request: Request):
-        msg = await run_in_threadpool(decode_map, await read_body(request, limit), limit)
-        model_id = field(msg, "model_id", str)
+        msg = await run_in_threadpool(decode_map, await read_body(request, limit), limit,
+                                      ("model_id", "size", "timeout_s", "trainer_id"))
+        model_id = id_field(msg, "model_id")
         size = field(msg, "size", int)
-        timeout_s = float(field(msg, "timeout_s", (int, float), 0.0))
-        timeout_s = min(max(timeout_s, 0.0), config.max_pull_timeout_s)
-        trainer_id = field(msg, "trainer_id", str, None)
+        timeout_s = num_field(msg, "timeout_s", 0.0, MAX_SECONDS, 0.0)
+        timeout_s = min(timeout_s, config.max_pull_timeout_s)
+        trainer_id = id_field(msg, "trainer_id", None)
         core.check_pull(model_id, size)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -318,12 +616,12 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return Response(await run_in_threadpool(encode, batch), media_type=MSGPACK)
 
     def _ack(data: bytes) -> dict:
-        msg = decode_map(data, limit)
+        msg = decode_map(data, limit, ("batch_id", "wait_s", "step_s"))
         timings = {k: field(msg, k, (int, float), None) for k in ("wait_s", "step_s")}
         for k, v in timings.items():
-            if v is not None and not 0 <= v < 1e7:
+            if v is not None and not 0 <= v < MAX_SECONDS:
                 raise ServiceError(422, k, f"must be seconds in [0, 1e7), got {v}")
-        return core.ack(field(msg, "batch_id", str), **timings)
+        return core.ack(id_field(msg, "batch_id"), **timings)
 
     @app.post("/v1/ack")
     async def ack(request: Request):
@@ -337,6 +635,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.put("/v1/weights/{model_id}/{version}/{name}")
     async def upload(model_id: str, version: int, name: str, request: Request):
+        check_version(version)
         await run_in_threadpool(core.check_upload, model_id, version, name)
         max_bytes = config.max_weight_file_bytes
         declared = request.headers.get("content-length")
@@ -350,6 +649,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/weights/{model_id}/{version}/{name}")
     async def download(model_id: str, version: int, name: str):
+        check_version(version)
         path, info = await run_in_threadpool(core.weight_file, model_id, version, name)
         if not path.is_file():
             raise ServiceError(410, "name", f"{name} of {model_id} v{version} is listed in the "
@@ -371,6 +671,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/manifest/{model_id}/{version}")
     async def manifest(model_id: str, version: int):
+        check_version(version)
         found = await run_in_threadpool(core.manifest, model_id, version)
         if found is None:
             raise ServiceError(404, "version", f"version {version} of {model_id!r} is not published")

@@ -1,7 +1,10 @@
 """Synchronous client of the dataflow service, used by RaaS, trainers, callbacks and tests.
 
 msgpack bodies through :mod:`astralight.protocol`; the bearer token comes from the argument or
-``ASTRALIGHT_TOKEN``. Connection failures are retried with backoff for up to ``retry_s`` seconds so
+``ASTRALIGHT_TOKEN``. For an ``https://`` dataflow (``tls_certfile`` on the service) the server
+certificate is checked against ``ca_file`` (or ``ASTRALIGHT_CA_FILE``, else the system's trust
+store), so every component that builds a client -- RaaS, trainers, callbacks, the autoscaler --
+reaches a TLS dataflow by setting that one environment variable. Connection failures are retried with backoff for up to ``retry_s`` seconds so
 that a restarting service is waited for (every route is safe to repeat: pushes are idempotent by
 task id, and a pulled batch whose answer got lost is re-served after the ack timeout). A 4xx/5xx
 answer raises :class:`DataflowError` carrying the server's message, which names the bad field.
@@ -10,7 +13,9 @@ answer raises :class:`DataflowError` carrying the server's message, which names 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,29 @@ import httpx
 from astralight.protocol import Batch, Task, WeightManifest, decode, encode, expect
 
 MSGPACK = "application/msgpack"
+log = logging.getLogger(__name__)
+
+
+def tls_verify(ca_file: str | None = None, verify: bool | None = None) -> ssl.SSLContext | bool:
+    """What httpx should verify server certificates with.
+
+    ``ca_file`` (default: env ``ASTRALIGHT_CA_FILE``): a PEM bundle of the CA(s) that issued the
+    dataflow's certificate (a self-signed certificate is its own CA). ``verify=False`` turns
+    verification off (logged: only for debugging). Otherwise the system trust store is used.
+    """
+    if verify is False:
+        log.warning("TLS certificate verification is OFF for the dataflow client")
+        return False
+    ca_file = ca_file if ca_file is not None else (os.environ.get("ASTRALIGHT_CA_FILE") or None)
+    if ca_file is None:
+        return True
+    if not os.path.isfile(ca_file):
+        raise ValueError(f"ca_file: {ca_file!r} (or ASTRALIGHT_CA_FILE) is not a file; give the "
+                         "PEM certificate of the CA that signed the dataflow's certificate")
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"ca_file: cannot load {ca_file!r} as PEM certificates: {exc}") from None
 
 
 class DataflowError(RuntimeError):
@@ -52,13 +80,14 @@ class DataflowClient:
     """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0,
-                 retry_s: float = 60.0):
+                 retry_s: float = 60.0, ca_file: str | None = None, verify: bool | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.retry_s = retry_s
         token = token if token is not None else os.environ.get("ASTRALIGHT_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                  verify=tls_verify(ca_file, verify))
         self._manifests: dict[tuple[str, int], WeightManifest] = {}  # versions are immutable
 
     def close(self) -> None:
@@ -86,6 +115,20 @@ class DataflowClient:
                 resp = self._http.request(method, path, content=content, headers=hdrs,
                                           timeout=timeout or self.timeout)
                 break
+            except httpx.ConnectError as exc:
+                if isinstance(exc.__context__, ssl.SSLCertVerificationError) or \
+                        "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                    # retrying cannot fix a certificate the client does not trust
+                    raise DataflowError(None, f"TLS: the certificate of {self.url} is not trusted "
+                                              f"({exc}); pass ca_file= or set ASTRALIGHT_CA_FILE to "
+                                              "the PEM of the CA that signed it",
+                                        field="ca_file") from exc
+                if time.monotonic() + delay > deadline:
+                    raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
+                                              f"{self.retry_s:.0f} s: {type(exc).__name__}: {exc}"
+                                              ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
             except httpx.TransportError as exc:
                 if time.monotonic() + delay > deadline:
                     raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
@@ -174,6 +217,7 @@ class DataflowClient:
 
     def pull_batch(self, model_id: str, size: int, timeout_s: float = 30.0,
                    trainer_id: str | None = None) -> Batch | None:
+        timeout_s = max(0.0, float(timeout_s))  # the service refuses negative timeouts
         out = self._call("POST", "/v1/pull", {"model_id": model_id, "size": size,
                                               "timeout_s": timeout_s, "trainer_id": trainer_id},
                          timeout=max(self.timeout, timeout_s + 30.0))

@@ -71,8 +71,20 @@ class DataflowConfig:
     """Every knob of the dataflow service.
 
     Args:
-        host: interface to bind; loopback by default (put a token and a proxy in front otherwise).
+        host: interface to bind; loopback by default. Any other address needs a bearer token
+            (``ASTRALIGHT_TOKEN`` in the service's environment): the service refuses to start
+            without one unless ``allow_insecure_public_bind`` is true.
         port: TCP port (0 picks a free one; the ready line prints the real one).
+        allow_insecure_public_bind: serve on a non-loopback ``host`` without a token (anyone who
+            reaches the port may then lease, push and publish). Only for a network you fully
+            trust; logged as a warning at start.
+        tls_certfile: PEM certificate (chain) to serve HTTPS with (cross-region links); needs
+            ``tls_keyfile``. Clients then use an ``https://`` URL and trust the issuing CA
+            (``DataflowClient(ca_file=...)`` or ``ASTRALIGHT_CA_FILE``).
+        tls_keyfile: PEM private key of ``tls_certfile``.
+        max_clients_tracked: client addresses (and, separately, instance ids) whose requests and
+            failures ``/v1/stats`` keeps (``clients``, ``client_instances``); least recently seen
+            forgotten first.
         state_dir: holds the SQLite database and the weight store; reuse it to resume.
         model_ids: the policies served; every train task names all of them.
         workflow: workflow name written into each task for the RaaS.
@@ -138,6 +150,10 @@ class DataflowConfig:
 
     host: str = "127.0.0.1"
     port: int = 8400
+    allow_insecure_public_bind: bool = False
+    tls_certfile: Optional[str] = None
+    tls_keyfile: Optional[str] = None
+    max_clients_tracked: int = 1024
     state_dir: str = "./dataflow_state"
     model_ids: list[str] = field(default_factory=lambda: ["policy"])
     workflow: str = "single_turn"
@@ -229,6 +245,12 @@ class DataflowConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        if bool(self.tls_certfile) != bool(self.tls_keyfile):
+            raise ValueError("tls_certfile, tls_keyfile: set both (PEM certificate and its private "
+                             f"key) or neither; got certfile={self.tls_certfile!r}, "
+                             f"keyfile={self.tls_keyfile!r}")
+        if self.max_clients_tracked < 1:
+            raise ValueError(f"max_clients_tracked: must be >= 1, got {self.max_clients_tracked}")
         if not self.weights_keep_s >= 0:
             raise ValueError(f"weights_keep_s: must be >= 0 seconds, got {self.weights_keep_s}")
         if self.max_staleness < 0:

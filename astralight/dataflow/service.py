@@ -2,16 +2,26 @@
 astralight.dataflow.service --config ...``).
 
 Parses the config, opens the state, serves with uvicorn and prints exactly one line
-``dataflow serving on http://HOST:PORT`` once the socket accepts connections (launchers and tests
-wait for it). SIGTERM/SIGINT shut down cleanly: pending pulls return, the SQLite WAL is
-checkpointed and closed.
+``dataflow serving on http://HOST:PORT`` (``https://`` with ``tls_certfile``) once the socket
+accepts connections (launchers and tests wait for it). SIGTERM/SIGINT shut down cleanly: pending
+pulls return, the SQLite WAL is checkpointed and closed.
+
+Before binding, :func:`check_bind` refuses a non-loopback ``host`` without ``ASTRALIGHT_TOKEN``
+(exit status 2, an error naming the host and the variable), unless the config says
+``allow_insecure_public_bind: true``. The override is a config key rather than an environment
+variable on purpose: it is written in the config file the run keeps, where a reviewer sees it,
+and cannot leak in from a shell.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import signal
+import ssl
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -37,7 +47,8 @@ class _Server(uvicorn.Server):
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
                 break
-        print(f"dataflow serving on http://{host}:{port}", flush=True)
+        scheme = "https" if self.config.ssl_certfile else "http"
+        print(f"dataflow serving on {scheme}://{host}:{port}", flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         self._app.state.wakeups.stopping = True
@@ -50,10 +61,70 @@ class _Server(uvicorn.Server):
                 captured.remove(signal.SIGTERM)
 
 
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1). Any other name is
+    treated as public: it may resolve to anything."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None, allow_insecure_public_bind: bool = False,
+               tls: bool = False) -> None:
+    """Refuse to serve on a non-loopback address without a bearer token (ValueError naming the
+    host, ``ASTRALIGHT_TOKEN`` and the override); warn about the weaker setups that remain."""
+    if is_loopback(host):
+        return
+    if not token:
+        if not allow_insecure_public_bind:
+            raise ValueError(
+                f"host: refusing to serve on {host!r}, which is not a loopback address, without a "
+                "bearer token: anyone who reaches the port could lease tasks, push samples and "
+                "publish weights. Set ASTRALIGHT_TOKEN (the same value for the service and every "
+                "client), or bind host: 127.0.0.1, or -- only on a network you fully trust -- set "
+                "allow_insecure_public_bind: true in the dataflow config")
+        log.warning("serving on %s WITHOUT a bearer token (allow_insecure_public_bind: true): "
+                    "every route is open to anyone who reaches the port", host)
+        return
+    if len(token) < 16:
+        log.warning("ASTRALIGHT_TOKEN is only %d characters; use at least 16 random characters "
+                    "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+                    len(token))
+    if not tls:
+        log.warning("serving on %s over plain HTTP: the bearer token and all data travel in "
+                    "clear text; set tls_certfile/tls_keyfile or put a TLS proxy in front", host)
+
+
+def check_tls_files(config: DataflowConfig) -> None:
+    """Load the certificate and key once before binding, so a wrong path or a key that does not
+    match the certificate is an error naming the field, not a traceback from uvicorn."""
+    if not config.tls_certfile:
+        return
+    for name in ("tls_certfile", "tls_keyfile"):
+        path = getattr(config, name)
+        if not Path(path).is_file():
+            raise ValueError(f"{name}: {path!r} is not a readable file (a PEM "
+                             f"{'certificate' if name == 'tls_certfile' else 'private key'})")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            config.tls_certfile, config.tls_keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"tls_certfile, tls_keyfile: cannot load {config.tls_certfile!r} with "
+                         f"{config.tls_keyfile!r}: {exc}") from None
+
+
 def serve(config: DataflowConfig) -> None:
-    app = create_app(config)
+    token = os.environ.get("ASTRALIGHT_TOKEN", "")
+    check_bind(config.host, token, config.allow_insecure_public_bind, bool(config.tls_certfile))
+    check_tls_files(config)
+    app = create_app(config, token=token)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+                               access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+                               ssl_certfile=config.tls_certfile, ssl_keyfile=config.tls_keyfile)
     _Server(uv_config, app).run()
 
 

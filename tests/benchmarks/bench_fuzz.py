@@ -1,0 +1,853 @@
+"""Fuzz benchmark: thousands of generated bad requests against a real dataflow service process.
+
+    python tests/benchmarks/bench_fuzz.py --json [--requests 10000] [--seed 0]
+
+Starts ``python -m astralight.dataflow.service`` on 127.0.0.1 (with a bearer token, small body
+limits), prepares some state (a registered instance, a pushed task, a leased open task, a
+published weight version), then sends seeded, generated bad requests over every route, mixing
+the categories in :data:`CATEGORIES`: garbage bytes, malformed msgpack, wrong types, unknown
+fields, huge or inconsistent arrays, negative and out-of-range sizes, unknown model_ids, replayed
+pushes, out-of-order versions, pickle payloads / msgpack extension types / object arrays,
+oversized bodies, bad paths and methods, semantically bad samples and missing or wrong tokens.
+
+It prints ``requests``, ``status_5xx`` (must be 0), ``crashes`` (the process died or stopped
+answering ``/v1/info``: must be 0), ``accepted_bad`` (a bad request answered 2xx: must be 0; a
+replayed push must be answered ``duplicate`` with nothing accepted), requests per second and a
+per-category breakdown; exit status 1 if any of the three is not 0.
+
+The generators are plain functions of a seeded :class:`random.Random` and a :class:`Context`,
+shared with ``tests/unit/test_route_fuzz.py`` (which drives them with hypothesis against the
+in-process app); :data:`ROUTES` lists every route with its generators, and that test checks the
+list against the app's routes so a new route cannot escape fuzzing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from astralight.protocol import Sample, WeightManifest, encode
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+GHOST = "ghost-model"
+
+
+@dataclass
+class BadRequest:
+    category: str
+    method: str
+    path: str
+    body: Any = None  # bytes, an iterator of bytes (chunked upload) or None
+    headers: dict = field(default_factory=dict)
+    replay: bool = False  # a replayed push: 200 with duplicate=True and accepted=0 is right
+    no_auth: bool = False  # the generator sets (or omits) Authorization itself
+
+
+@dataclass
+class Context:
+    """State the generators aim at (set up by :func:`prepare`)."""
+
+    token: str
+    model_id: str
+    instance_id: str
+    pushed_task: str
+    pushed_body: bytes
+    open_task: str
+    group_size: int
+    version: int
+    file_name: str
+    file_bytes: int
+    max_body_bytes: int
+    max_weight_file_bytes: int
+
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def raw(obj: Any) -> Any:
+    """The plain msgpack structure of a message (dataclasses as tagged maps), to mutate."""
+    return msgpack.unpackb(encode(obj), raw=False)
+
+
+def pack(env: Any) -> bytes:
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def envelope(body: Any) -> dict:
+    return {"schema": 1, "body": body}
+
+
+def sample(ctx: Context, task_id: str, index: int = 0, T: int = 6, reward: float = 1.0,
+           version: int = 0, model_id: str | None = None) -> Sample:
+    gen = T - 3
+    return Sample(task_id=task_id, sample_index=index, model_id=model_id or ctx.model_id,
+                  token_ids=np.arange(T, dtype=np.int32) + 3,
+                  logprobs=np.array([0, 0, 0] + [-0.5] * gen, np.float32),
+                  loss_mask=np.array([0, 0, 0] + [1] * gen, np.uint8),
+                  versions=np.array([-1, -1, -1] + [version] * gen, np.int32),
+                  reward=float(reward), prompt_len=3)
+
+
+def push_env(ctx: Context, samples: list, task_id: str | None = None) -> dict:
+    """A raw push envelope for ``task_id`` (default: the open task) to mutate."""
+    return raw({"instance_id": ctx.instance_id,
+                "task_id": ctx.open_task if task_id is None else task_id,
+                "samples": samples})
+
+
+def valid_group(ctx: Context, task_id: str | None = None) -> list[Sample]:
+    return [sample(ctx, task_id or ctx.open_task, i, reward=float(i % 2))
+            for i in range(ctx.group_size)]
+
+
+def manifest(ctx: Context, version: int, kind: str = "full", base: int | None = None,
+             sha: str | None = None, model_id: str | None = None,
+             name: str | None = None) -> WeightManifest:
+    return WeightManifest(model_id=model_id or ctx.model_id, version=version, kind=kind,
+                          base_version=base,
+                          files={name or ctx.file_name: {"sha256": sha or "0" * 64,
+                                                         "bytes": ctx.file_bytes}})
+
+
+#: msgpack map bodies: route -> {field: kind}; kinds drive the wrong-type mutations
+SCHEMAS: dict[str, dict[str, str]] = {
+    "/v1/register": {"model_ids": "list_str", "capacity": "int", "instance_id": "str",
+                     "meta": "dict", "capacity_units": "num"},
+    "/v1/heartbeat": {"instance_id": "str", "in_flight": "int"},
+    "/v1/return": {"instance_id": "str", "task_ids": "list_str", "failed": "bool"},
+    "/v1/deregister": {"instance_id": "str"},
+    "/v1/lease": {"instance_id": "str", "max_tasks": "int"},
+    "/v1/push": {"instance_id": "str", "task_id": "str", "samples": "list"},
+    "/v1/pull": {"model_id": "str", "size": "int", "timeout_s": "num", "trainer_id": "str"},
+    "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num"},
+}
+BODY_ROUTES = list(SCHEMAS) + ["/v1/publish"]
+
+
+def base_body(ctx: Context, path: str) -> dict:
+    """A valid-looking body of ``path`` that the generators make invalid in one place."""
+    return {
+        "/v1/register": {"model_ids": [ctx.model_id], "capacity": 1, "instance_id": ctx.instance_id,
+                         "meta": {"host": "fuzz"}, "capacity_units": 1.0},
+        "/v1/heartbeat": {"instance_id": ctx.instance_id, "in_flight": 0},
+        "/v1/return": {"instance_id": ctx.instance_id, "task_ids": ["no-such-task"],
+                       "failed": False},
+        "/v1/deregister": {"instance_id": ctx.instance_id},
+        "/v1/lease": {"instance_id": ctx.instance_id, "max_tasks": 0},
+        "/v1/push": push_env(ctx, valid_group(ctx))["body"],
+        "/v1/pull": {"model_id": ctx.model_id, "size": 1, "timeout_s": 0.0, "trainer_id": "t"},
+        "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2},
+        "/v1/publish": raw(manifest(ctx, ctx.version + 1))["body"],
+    }[path]
+
+
+def wrong_value(rng: random.Random, kind: str) -> Any:
+    """A value that is not of ``kind`` (and not nil, which means 'absent')."""
+    pool: list[Any] = [1, -7, 2**64 - 1, 1.5, float("nan"), True, False, "x", "", b"\x80abc",
+                       [], [1, "a"], {}, {"k": 1}]
+    bad = {
+        "str": lambda v: not isinstance(v, str),
+        "int": lambda v: isinstance(v, bool) or not isinstance(v, int),
+        "num": lambda v: isinstance(v, bool) or not isinstance(v, (int, float))
+        or (isinstance(v, float) and math.isnan(v)),
+        "bool": lambda v: not isinstance(v, bool),
+        "dict": lambda v: not isinstance(v, dict),
+        "list": lambda v: not isinstance(v, list) or v == [1, "a"],
+        "list_str": lambda v: not isinstance(v, list) or v == [1, "a"],
+    }[kind]
+    return rng.choice([v for v in pool if bad(v)])
+
+
+def mutate_map(rng: random.Random, ctx: Context, path: str) -> bytes:
+    body = base_body(ctx, path)
+    name = rng.choice(sorted(SCHEMAS[path]))
+    body[name] = wrong_value(rng, SCHEMAS[path][name])
+    return pack(envelope(body))
+
+
+def pickle_blob(rng: random.Random) -> bytes:
+    class Boom:  # would print if ever unpickled: the test asserts nothing unpickles
+        def __reduce__(self):
+            return (print, ("UNPICKLED CLIENT DATA",))
+
+    obj = rng.choice([{"instance_id": "x"}, [1, 2, 3], Boom(), np.arange(3),
+                      np.array([object()], dtype=object)])
+    try:
+        return pickle.dumps(obj, protocol=rng.randint(0, pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        return pickle.dumps({"fallback": 1})
+
+
+def object_array(rng: random.Random) -> dict:
+    """A numpy object-dtype array as the wire would carry one (never allowed)."""
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    data = rng.choice([buf.getvalue(), pickle.dumps(np.array([1], dtype=object)), b"\x00" * 8])
+    return {"__nd__": True, "dtype": rng.choice(["object", "O", "|O", "<f8", "V8", "S4", "float128"]),
+            "shape": [1], "data": data}
+
+
+def ext_value(rng: random.Random) -> Any:
+    return rng.choice([msgpack.ExtType(rng.randint(0, 127), rng.randbytes(rng.randint(0, 16))),
+                       msgpack.Timestamp(rng.randint(0, 2**32), 0)])
+
+
+# ----------------------------------------------------------------------------- categories
+
+
+def gen_garbage(rng: random.Random, ctx: Context) -> BadRequest:
+    path = rng.choice(BODY_ROUTES)
+    n = rng.choice([0, 1, 2, 7, 64, 1000])
+    data = rng.randbytes(n)
+    if n and (0x80 <= data[0] <= 0x8f or data[0] in (0xde, 0xdf)):
+        data = b"\xc1" + data  # a random map header might decode; 0xc1 never does
+    return BadRequest("garbage", "POST", path, data or b"", dict(MSGPACK))
+
+
+def gen_malformed(rng: random.Random, ctx: Context) -> BadRequest:
+    path = rng.choice(BODY_ROUTES)
+    good = pack(envelope(base_body(ctx, path)))
+    how = rng.randrange(7)
+    if how == 0:
+        data = good[:rng.randrange(len(good))]  # truncated: never a whole object
+    elif how == 1:
+        data = good + rng.randbytes(rng.randint(1, 8))  # trailing bytes
+    elif how == 2:
+        data = b"\xc1" + good  # never-used lead byte
+    elif how == 3:
+        data = pack(rng.choice([[1, 2], 5, "body", None, {"body": base_body(ctx, path)}]))
+    elif how == 4:
+        data = pack({"schema": rng.choice([0, 2, -1, "1", 1.0 + 1e-9, [1]]),
+                     "body": base_body(ctx, path)})
+    elif how == 5:
+        data = pack(envelope(rng.choice([[base_body(ctx, path)], "x", 3, None])))
+    else:
+        data = pack({"schema": 1})  # no body
+    return BadRequest("malformed_msgpack", "POST", path, data, dict(MSGPACK))
+
+
+def gen_wrong_type(rng: random.Random, ctx: Context) -> BadRequest:
+    path = rng.choice(BODY_ROUTES)
+    if path == "/v1/publish":
+        m = base_body(ctx, path)
+        key = rng.choice(["model_id", "version", "kind", "files", "base_version", "tensors",
+                          "created", "metadata", "files.sha256", "files.bytes", "__type__"])
+        if key == "files.sha256":
+            m["files"][ctx.file_name]["sha256"] = rng.choice([1, b"ab", "xyz", "A" * 64, None])
+        elif key == "files.bytes":
+            m["files"][ctx.file_name]["bytes"] = rng.choice(["10", -1, 1.5, [1]])
+        elif key == "__type__":
+            m["__type__"] = rng.choice(["Task", "Sample", "Nope", 3, ["WeightManifest"]])
+        elif key == "kind":
+            m["kind"] = rng.choice([1, "partial", "", b"full"])
+        elif key == "base_version":
+            m["base_version"] = rng.choice(["0", 1.5, -1, [0]])
+        elif key == "tensors":
+            m["tensors"] = rng.choice([[1], "t", {"w": 1}, {"w": {"dtype": "bf16", "shape": "2"}}])
+        else:
+            m[key] = wrong_value(rng, {"model_id": "str", "version": "int", "files": "dict",
+                                       "created": "num", "metadata": "dict"}[key])
+        return BadRequest("wrong_type", "POST", path, pack(envelope(m)), dict(MSGPACK))
+    if path == "/v1/push" and rng.random() < 0.5:  # a wrong type inside a sample
+        env = push_env(ctx, valid_group(ctx))
+        s = rng.choice(env["body"]["samples"])
+        key = rng.choice(["task_id", "sample_index", "model_id", "token_ids", "logprobs",
+                          "loss_mask", "versions", "reward", "prompt_len", "group_index", "role",
+                          "advantage", "metadata", "__type__"])
+        s[key] = {"token_ids": [1, 2, 3], "logprobs": "x", "loss_mask": 1, "versions": None,
+                  "task_id": 5, "model_id": ["policy"], "sample_index": "0", "reward": "1.0",
+                  "prompt_len": 1.5, "group_index": [0], "role": 3, "advantage": "0",
+                  "metadata": [1], "__type__": "Task"}[key]
+        if key == "versions":  # nil would mean 'absent' for an optional field; this one is required
+            s.pop("versions")
+        return BadRequest("wrong_type", "POST", path, pack(env), dict(MSGPACK))
+    return BadRequest("wrong_type", "POST", path, mutate_map(rng, ctx, path), dict(MSGPACK))
+
+
+def gen_unknown_field(rng: random.Random, ctx: Context) -> BadRequest:
+    path = rng.choice(list(SCHEMAS))
+    body = base_body(ctx, path)
+    body[rng.choice(["extra", "instanceId", "__proto__", "max_task", "Model_id", "x" * 40])] = 1
+    return BadRequest("unknown_field", "POST", path, pack(envelope(body)), dict(MSGPACK))
+
+
+def gen_huge_array(rng: random.Random, ctx: Context) -> BadRequest:
+    env = push_env(ctx, valid_group(ctx))
+    s = rng.choice(env["body"]["samples"])
+    name = rng.choice(["token_ids", "logprobs", "loss_mask", "versions"])
+    arr = s[name]
+    how = rng.randrange(7)
+    if how == 0:
+        arr["shape"] = [rng.choice([2**26 + 1, 2**40, 2**63 - 1, 2**64 - 1])]
+    elif how == 1:
+        arr["shape"] = [0, rng.choice([2**62, 2**64 - 1])]  # zero elements, absurd extent
+    elif how == 2:
+        arr["shape"] = [1] * rng.choice([9, 33, 70])
+    elif how == 3:
+        arr["data"] = arr["data"][:-1]  # byte count does not match the shape
+    elif how == 4:
+        arr["shape"] = [arr["shape"][0] + rng.randint(1, 5)]  # claims more than it holds
+    elif how == 5:
+        arr["shape"], arr["data"] = [2, arr["shape"][0]], arr["data"] * 2  # two-dimensional
+    else:  # consistent but longer than the other arrays
+        extra = rng.randint(1, 64)
+        arr["shape"] = [arr["shape"][0] + extra]
+        arr["data"] = arr["data"] + bytes(extra * {"token_ids": 4, "logprobs": 4, "loss_mask": 1,
+                                                   "versions": 4}[name])
+    return BadRequest("huge_array", "POST", "/v1/push", pack(env), dict(MSGPACK))
+
+
+def gen_negative_size(rng: random.Random, ctx: Context) -> BadRequest:
+    big = [-1, -(2**63), 2**63, 2**64 - 1]
+    how = rng.randrange(12)
+    if how == 0:
+        body = base_body(ctx, "/v1/lease") | {"max_tasks": rng.choice(big + [4097, 10**9])}
+        return BadRequest("negative_size", "POST", "/v1/lease", pack(envelope(body)), dict(MSGPACK))
+    if how == 1:
+        body = base_body(ctx, "/v1/pull") | rng.choice(
+            [{"size": rng.choice(big + [0, 10**7])},
+             {"timeout_s": rng.choice([-1.0, -1e-9, float("nan"), float("inf"), 1e300])}])
+        return BadRequest("negative_size", "POST", "/v1/pull", pack(envelope(body)), dict(MSGPACK))
+    if how == 2:
+        body = base_body(ctx, "/v1/register") | rng.choice(
+            [{"capacity": rng.choice(big + [10**7])},
+             {"capacity_units": rng.choice([0, -1, 1e6, 1e308, float("nan"), float("-inf")])}])
+        return BadRequest("negative_size", "POST", "/v1/register", pack(envelope(body)),
+                          dict(MSGPACK))
+    if how == 3:
+        body = base_body(ctx, "/v1/heartbeat") | {"in_flight": rng.choice(big + [10**7])}
+        return BadRequest("negative_size", "POST", "/v1/heartbeat", pack(envelope(body)),
+                          dict(MSGPACK))
+    if how == 4:
+        body = base_body(ctx, "/v1/ack") | {rng.choice(["wait_s", "step_s"]):
+                                            rng.choice([-1, -0.5, 1e7, 1e300, float("nan")])}
+        return BadRequest("negative_size", "POST", "/v1/ack", pack(envelope(body)), dict(MSGPACK))
+    if how == 5:
+        env = push_env(ctx, valid_group(ctx))
+        s = rng.choice(env["body"]["samples"])
+        key, value = rng.choice([("sample_index", rng.choice(big)), ("prompt_len", -1),
+                                 ("prompt_len", 10**6), ("group_index", rng.choice(big))])
+        if key == "group_index" and 0 <= value <= 2**62:
+            value = -1
+        s[key] = value
+        return BadRequest("negative_size", "POST", "/v1/push", pack(env), dict(MSGPACK))
+    if how == 6:
+        env = push_env(ctx, valid_group(ctx))
+        s = rng.choice(env["body"]["samples"])
+        s[rng.choice(["token_ids", "versions"])]["shape"] = [rng.choice([-1, -(2**63)])]
+        return BadRequest("negative_size", "POST", "/v1/push", pack(env), dict(MSGPACK))
+    if how == 7:
+        v = rng.choice([-1, 2**53, 2**70, -(2**63)])
+        method, path = rng.choice([("GET", f"/v1/manifest/{ctx.model_id}/{v}"),
+                                   ("GET", f"/v1/weights/{ctx.model_id}/{v}/{ctx.file_name}"),
+                                   ("PUT", f"/v1/weights/{ctx.model_id}/{v}/{ctx.file_name}")])
+        return BadRequest("negative_size", method, path, b"x" if method == "PUT" else None)
+    if how == 8:
+        q = rng.choice(["window=0", "window=-5", f"window={10**9}", "pool=-1", f"pool={10**30}",
+                        f"window={2**64}", "window=1e3", "pool=abc"])
+        return BadRequest("negative_size", "GET", f"/v1/balance/{ctx.model_id}?{q}")
+    if how == 9:
+        q = rng.choice(["since=-1", f"since={2**80}", "since=x", "since=1.5"])
+        return BadRequest("negative_size", "GET", f"/v1/counters/{ctx.model_id}?{q}")
+    if how == 10:
+        m = raw(manifest(ctx, ctx.version + 1))["body"]
+        key, value = rng.choice([("version", -1), ("version", 2**64 - 1), ("base_version", -1),
+                                 ("version", 2**53)])
+        m[key] = value
+        if rng.random() < 0.5:
+            m["files"][ctx.file_name]["bytes"] = -1
+        return BadRequest("negative_size", "POST", "/v1/publish", pack(envelope(m)), dict(MSGPACK))
+    body = base_body(ctx, "/v1/return") | {"task_ids": ["t"] * 4097}
+    return BadRequest("negative_size", "POST", "/v1/return", pack(envelope(body)), dict(MSGPACK))
+
+
+def gen_unknown_model(rng: random.Random, ctx: Context) -> BadRequest:
+    g = rng.choice([GHOST, "", "policy ", "POLICY", "p" * 300, "../policy", "policy\x00"])
+    how = rng.randrange(12)
+    if how == 0:
+        body = base_body(ctx, "/v1/pull") | {"model_id": g}
+        return BadRequest("unknown_model", "POST", "/v1/pull", pack(envelope(body)), dict(MSGPACK))
+    if how == 1:
+        body = base_body(ctx, "/v1/register") | {"model_ids": [g]}
+        return BadRequest("unknown_model", "POST", "/v1/register", pack(envelope(body)),
+                          dict(MSGPACK))
+    if how == 2:
+        group = valid_group(ctx)
+        group[rng.randrange(len(group))].model_id = g or GHOST
+        return BadRequest("unknown_model", "POST", "/v1/push", pack(push_env(ctx, group)),
+                          dict(MSGPACK))
+    if how == 3:
+        return BadRequest("unknown_model", "POST", "/v1/publish",
+                          encode(manifest(ctx, ctx.version + 1, model_id=g or GHOST)), dict(MSGPACK))
+    if how == 4:
+        return BadRequest("unknown_model", "PUT", f"/v1/weights/{_seg(g)}/{ctx.version + 1}/m.bin",
+                          b"weights")
+    route = rng.choice([f"/v1/eval/{_seg(g)}", f"/v1/balance/{_seg(g)}", f"/v1/counters/{_seg(g)}",
+                        f"/v1/version/{_seg(g)}", f"/v1/manifest/{_seg(g)}/latest",
+                        f"/v1/manifest/{_seg(g)}/1", f"/v1/weights/{_seg(g)}/1/{ctx.file_name}"])
+    return BadRequest("unknown_model", "GET", route)
+
+
+def _seg(name: str) -> str:
+    """``name`` as one URL path segment (empty becomes a missing segment: still a bad request)."""
+    from urllib.parse import quote
+
+    return quote(name or GHOST, safe="")
+
+
+def gen_replay(rng: random.Random, ctx: Context) -> BadRequest:
+    if rng.random() < 0.5:
+        body = ctx.pushed_body  # the exact push again
+    else:  # the same task with other samples: still a duplicate, nothing accepted
+        group = valid_group(ctx, ctx.pushed_task)
+        for s in group:
+            s.reward = rng.uniform(-1, 1)
+        body = encode({"instance_id": ctx.instance_id, "task_id": ctx.pushed_task,
+                       "samples": group})
+    return BadRequest("replayed_push", "POST", "/v1/push", body, dict(MSGPACK), replay=True)
+
+
+def gen_out_of_order(rng: random.Random, ctx: Context) -> BadRequest:
+    how = rng.randrange(6)
+    if how == 0:  # a version not newer than the current one
+        v = rng.randint(0, ctx.version)
+        return BadRequest("out_of_order_version", "POST", "/v1/publish",
+                          encode(manifest(ctx, v)), dict(MSGPACK))
+    if how == 1:  # a delta onto a base that is not published
+        v = ctx.version + rng.randint(2, 9)
+        return BadRequest("out_of_order_version", "POST", "/v1/publish",
+                          encode(manifest(ctx, v, "delta", base=v - 1)), dict(MSGPACK))
+    if how == 2:  # a file for an already-published version (published versions are immutable)
+        v = rng.randint(0, ctx.version)
+        return BadRequest("out_of_order_version", "PUT",
+                          f"/v1/weights/{ctx.model_id}/{v}/{ctx.file_name}", b"other bytes")
+    if how == 3:  # a newer version whose file was never uploaded
+        return BadRequest("out_of_order_version", "POST", "/v1/publish",
+                          encode(manifest(ctx, ctx.version + rng.randint(1, 5),
+                                          name=f"never-{rng.randrange(10**6)}.bin")),
+                          dict(MSGPACK))
+    if how == 4:  # a delta whose base is not below its version
+        m = raw(manifest(ctx, ctx.version + 1, "full"))["body"]
+        m.update(kind="delta", base_version=rng.choice([ctx.version + 1, ctx.version + 2, None]))
+        return BadRequest("out_of_order_version", "POST", "/v1/publish", pack(envelope(m)),
+                          dict(MSGPACK))
+    # samples generated by a version newer than the published one
+    group = valid_group(ctx)
+    for s in group:
+        s.versions[s.loss_mask.astype(bool)] = ctx.version + rng.randint(1, 100)
+    return BadRequest("out_of_order_version", "POST", "/v1/push", pack(push_env(ctx, group)),
+                      dict(MSGPACK))
+
+
+def gen_pickle(rng: random.Random, ctx: Context) -> BadRequest:
+    path = rng.choice(BODY_ROUTES)
+    how = rng.randrange(5)
+    if how == 0:
+        data = pickle_blob(rng)  # a pickle instead of msgpack
+    elif how == 1:  # an object-dtype array where an array (or any value) goes
+        if path == "/v1/push":
+            env = push_env(ctx, valid_group(ctx))
+            s = rng.choice(env["body"]["samples"])
+            s[rng.choice(["token_ids", "logprobs", "loss_mask", "versions"])] = object_array(rng)
+            data = pack(env)
+        else:
+            body = base_body(ctx, path)
+            body[rng.choice(sorted(body))] = object_array(rng)
+            data = pack(envelope(body))
+    elif how == 2:  # msgpack extension types / timestamps anywhere
+        body = base_body(ctx, path)
+        body[rng.choice(sorted(body) + ["meta", "extra"])] = ext_value(rng)
+        data = pack(envelope(body))
+    elif how == 3:  # a pickle where a string goes
+        body = base_body(ctx, path)
+        body[rng.choice(sorted(body))] = pickle_blob(rng)
+        data = pack(envelope(body))
+    else:  # a pickle inside sample metadata -> still refused? metadata is opaque: put it in an
+        # array's data with an object dtype instead
+        body = base_body(ctx, path)
+        body["__nd__"] = True
+        body.update(object_array(rng))
+        data = pack(envelope(body))
+    return BadRequest("pickle_or_ext", "POST", path, data, dict(MSGPACK))
+
+
+def gen_oversized(rng: random.Random, ctx: Context) -> BadRequest:
+    if rng.random() < 0.25:  # a weight file over max_weight_file_bytes (declared or chunked)
+        n = ctx.max_weight_file_bytes + rng.randint(1, 4096)
+        path = f"/v1/weights/{ctx.model_id}/{ctx.version + 1}/big-{rng.randrange(10**6)}.bin"
+        if rng.random() < 0.5:
+            return BadRequest("oversized", "PUT", path, bytes(n))
+        chunk = bytes(65536)
+        return BadRequest("oversized", "PUT", path,
+                          _Chunks(chunk, n // len(chunk) + 1))
+    path = rng.choice(BODY_ROUTES)
+    n = ctx.max_body_bytes + rng.choice([1, 17, 4096])
+    prefix = pack(envelope(base_body(ctx, path)))
+    return BadRequest("oversized", "POST", path, prefix + bytes(n - len(prefix)), dict(MSGPACK))
+
+
+class _Chunks:
+    """A re-iterable chunked body (no Content-Length): the service must stop it at the limit."""
+
+    def __init__(self, chunk: bytes, count: int):
+        self.chunk, self.count = chunk, count
+
+    def __iter__(self):
+        for _ in range(self.count):
+            yield self.chunk
+
+
+def gen_bad_path(rng: random.Random, ctx: Context) -> BadRequest:
+    m = ctx.model_id
+    choices = [
+        ("GET", f"/v1/manifest/{m}/abc"), ("GET", f"/v1/manifest/{m}/1.5"),
+        ("GET", f"/v1/weights/{m}/x/{ctx.file_name}"),
+        ("GET", f"/v1/weights/{m}/{ctx.version}/.hidden"),
+        ("GET", f"/v1/weights/{m}/{ctx.version}/..%2F..%2Fetc%2Fpasswd"),
+        ("GET", f"/v1/weights/{m}/{ctx.version}/{'n' * 300}"),
+        ("PUT", f"/v1/weights/{m}/{ctx.version + 1}/.hidden"),
+        ("PUT", f"/v1/weights/{m}/{ctx.version + 1}/{'n' * 300}"),
+        ("PUT", f"/v1/weights/{m}/{ctx.version + 1}/a%5Cb"),
+        ("POST", "/v1/instances/no-such-instance/drain"),
+        ("POST", f"/v1/instances/{'i' * 300}/drain"),
+        ("POST", "/v1/instances/a%01b/drain"),
+        ("GET", "/v1/nope"), ("GET", "/v2/info"), ("GET", "/docs"), ("GET", "/openapi.json"),
+        ("GET", "/admin"), ("GET", "/"), ("DELETE", "/v1/push"), ("GET", "/v1/push"),
+        ("POST", "/v1/info"), ("PUT", "/v1/stats"), ("DELETE", f"/v1/weights/{m}/1/x"),
+        ("PATCH", "/v1/register"), ("POST", f"/v1/version/{m}"),
+    ]
+    if rng.random() < 0.15:  # a malformed or unsatisfiable Range on a real weight file
+        rg = rng.choice(["bytes=abc", "bytes=5-2", "bytes=99999-", "bytes=-0", "items=0-1",
+                         "bytes=0-0,5-2"])
+        return BadRequest("bad_path", "GET", f"/v1/weights/{m}/{ctx.version}/{ctx.file_name}",
+                          headers={"Range": rg})
+    method, path = rng.choice(choices)
+    return BadRequest("bad_path", method, path, b"x" if method in ("PUT", "POST", "PATCH") else None)
+
+
+def gen_bad_sample(rng: random.Random, ctx: Context) -> BadRequest:
+    group = valid_group(ctx)
+    s = rng.choice(group)
+    how = rng.randrange(13)
+    if how == 0:
+        s.logprobs[-1] = rng.choice([0.5, 3.0])
+    elif how == 1:
+        s.loss_mask[-1] = rng.choice([2, 255])
+    elif how == 2:
+        s.token_ids[0] = -rng.randint(1, 2**31 - 1)
+    elif how == 3:
+        s.versions[0] = rng.choice([-2, -(2**31)])
+    elif how == 4:
+        s.prompt_len = s.num_tokens + rng.randint(1, 5)
+    elif how == 5:
+        group[-1].sample_index = group[0].sample_index  # repeated index
+    elif how == 6:
+        s.task_id = rng.choice([ctx.pushed_task, "other-task", ""])
+    elif how == 7:  # more samples than a task may hold (n * max_samples_per_rollout=32)
+        group = [sample(ctx, ctx.open_task, i) for i in range(ctx.group_size * 32 + 1)]
+    elif how == 8:
+        group = []
+    elif how == 9:
+        s.reward = rng.choice([1e10, -1e300, 1.7e308])
+    elif how == 10:
+        s.logprobs[-1] = rng.choice([float("nan"), float("-inf")])
+    elif how == 11:
+        env = push_env(ctx, group)
+        env["body"]["samples"][0]["reward"] = rng.choice([float("nan"), float("inf")])
+        return BadRequest("bad_sample", "POST", "/v1/push", pack(env), dict(MSGPACK))
+    else:
+        env = push_env(ctx, group, task_id=rng.choice(["no-such-task", "", "t" * 300]))
+        return BadRequest("bad_sample", "POST", "/v1/push", pack(env), dict(MSGPACK))
+    return BadRequest("bad_sample", "POST", "/v1/push", pack(push_env(ctx, group)), dict(MSGPACK))
+
+
+def gen_auth(rng: random.Random, ctx: Context) -> BadRequest:
+    """A request (often an otherwise valid one) with a missing or wrong token."""
+    header = rng.choice([None, "", "Bearer", f"Bearer {ctx.token}x",
+                         f"Bearer {ctx.token[:-1]}", f"bearer {ctx.token}", f"Basic {ctx.token}",
+                         f"Bearer  {ctx.token}", ctx.token, "Bearer wrong"])
+    method, path, body = rng.choice([
+        ("GET", "/v1/info", None), ("GET", "/v1/stats", None),
+        ("GET", f"/v1/version/{ctx.model_id}", None),
+        ("GET", f"/v1/weights/{ctx.model_id}/{ctx.version}/{ctx.file_name}", None),
+        ("GET", f"/v1/manifest/{ctx.model_id}/latest", None),
+        ("PUT", f"/v1/weights/{ctx.model_id}/{ctx.version + 1}/x.bin", b"w"),
+        ("POST", "/v1/lease", encode({"instance_id": ctx.instance_id, "max_tasks": 1})),
+        ("POST", "/v1/register", encode({"model_ids": [ctx.model_id], "capacity": 1})),
+        ("POST", f"/v1/instances/{ctx.instance_id}/drain", None),
+        ("GET", "/v1/nope", None)])
+    headers = dict(MSGPACK) if body is not None else {}
+    if header is not None:
+        headers["Authorization"] = header
+    return BadRequest("auth", method, path, body, headers, no_auth=True)
+
+
+CATEGORIES: dict[str, Callable[[random.Random, Context], BadRequest]] = {
+    "garbage": gen_garbage,
+    "malformed_msgpack": gen_malformed,
+    "wrong_type": gen_wrong_type,
+    "unknown_field": gen_unknown_field,
+    "huge_array": gen_huge_array,
+    "negative_size": gen_negative_size,
+    "unknown_model": gen_unknown_model,
+    "replayed_push": gen_replay,
+    "out_of_order_version": gen_out_of_order,
+    "pickle_or_ext": gen_pickle,
+    "oversized": gen_oversized,
+    "bad_path": gen_bad_path,
+    "bad_sample": gen_bad_sample,
+    "auth": gen_auth,
+}
+
+#: every route of the app -> the categories that send bad requests to it (checked against
+#: ``app.routes`` by tests/unit/test_route_fuzz.py: add a new route here with its generators)
+ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("GET", "/v1/info"): ("auth", "bad_path"),
+    ("GET", "/v1/stats"): ("auth", "bad_path"),
+    ("GET", "/v1/eval/{model_id}"): ("unknown_model",),
+    ("GET", "/v1/balance/{model_id}"): ("unknown_model", "negative_size"),
+    ("GET", "/v1/counters/{model_id}"): ("unknown_model", "negative_size"),
+    ("POST", "/v1/register"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                               "negative_size", "unknown_model", "pickle_or_ext", "oversized",
+                               "auth"),
+    ("POST", "/v1/heartbeat"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                                "negative_size", "pickle_or_ext", "oversized"),
+    ("POST", "/v1/instances/{instance_id}/drain"): ("bad_path", "auth"),
+    ("POST", "/v1/return"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                             "negative_size", "pickle_or_ext", "oversized"),
+    ("POST", "/v1/deregister"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                                 "pickle_or_ext", "oversized"),
+    ("POST", "/v1/lease"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                            "negative_size", "pickle_or_ext", "oversized", "auth"),
+    ("POST", "/v1/push"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                           "huge_array", "negative_size", "unknown_model", "replayed_push",
+                           "out_of_order_version", "pickle_or_ext", "oversized", "bad_sample"),
+    ("POST", "/v1/pull"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                           "negative_size", "unknown_model", "pickle_or_ext", "oversized"),
+    ("POST", "/v1/ack"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                          "negative_size", "pickle_or_ext", "oversized"),
+    ("GET", "/v1/version/{model_id}"): ("unknown_model", "auth"),
+    ("PUT", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
+                                                         "out_of_order_version", "oversized",
+                                                         "bad_path", "auth"),
+    ("GET", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
+                                                         "bad_path", "auth"),
+    ("POST", "/v1/publish"): ("garbage", "malformed_msgpack", "wrong_type", "negative_size",
+                              "unknown_model", "out_of_order_version", "pickle_or_ext",
+                              "oversized"),
+    ("GET", "/v1/manifest/{model_id}/latest"): ("unknown_model", "auth"),
+    ("GET", "/v1/manifest/{model_id}/{version}"): ("unknown_model", "negative_size", "bad_path"),
+}
+
+
+def generate(rng: random.Random, ctx: Context, category: str | None = None) -> BadRequest:
+    name = category or rng.choice(sorted(c for c in CATEGORIES if ctx.token or c != "auth"))
+    return CATEGORIES[name](rng, ctx)
+
+
+# ----------------------------------------------------------------------------- sending
+
+
+def prepare(http, token: str = "", model_id: str = "policy", group_size: int = 2,
+            max_body_bytes: int = 64 * 1024, max_weight_file_bytes: int = 256 * 1024) -> Context:
+    """Set up the state the generators aim at with valid requests (``http``: an httpx.Client or
+    a FastAPI TestClient on the service)."""
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    hdr = {**MSGPACK, **auth}
+
+    def call(method, path, body=None, content=None):
+        r = http.request(method, path, content=encode(body) if body is not None else content,
+                         headers=hdr)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        return msgpack.unpackb(r.content, raw=False)["body"] if r.content[:1] != b"{" else r.json()
+
+    iid = call("POST", "/v1/register", {"model_ids": [model_id], "capacity": 4,
+                                        "instance_id": "fuzz-raas"})["instance_id"]
+    tasks = call("POST", "/v1/lease", {"instance_id": iid, "max_tasks": 2})["tasks"]
+    assert len(tasks) == 2, tasks
+    ctx = Context(token=token, model_id=model_id, instance_id=iid, pushed_task=tasks[0]["task_id"],
+                  pushed_body=b"", open_task=tasks[1]["task_id"], group_size=group_size,
+                  version=0, file_name="model.safetensors", file_bytes=0,
+                  max_body_bytes=max_body_bytes, max_weight_file_bytes=max_weight_file_bytes)
+    push = {"instance_id": iid, "task_id": ctx.pushed_task,
+            "samples": valid_group(ctx, ctx.pushed_task)}
+    ctx.pushed_body = encode(push)
+    assert call("POST", "/v1/push", content=ctx.pushed_body)["accepted"] == group_size
+    data = b"fuzz weights v1"
+    call("PUT", f"/v1/weights/{model_id}/1/{ctx.file_name}", content=data)
+    m = manifest(ctx, 1, sha=hashlib.sha256(data).hexdigest())
+    m.files[ctx.file_name]["bytes"] = len(data)
+    call("POST", "/v1/publish", m)
+    ctx.version, ctx.file_bytes = 1, len(data)
+    return ctx
+
+
+@dataclass
+class Outcome:
+    status: int | None  # None: no answer (timeout or connection error)
+    accepted_bad: bool
+    detail: str = ""
+
+
+def send(http, req: BadRequest, ctx: Context, timeout: float | None = 30.0) -> Outcome:
+    headers = dict(req.headers)
+    if not req.no_auth:
+        headers.update(ctx.auth())
+    body = req.body
+    if isinstance(body, _Chunks):
+        body = iter(body)
+    import httpx
+
+    extra = {} if timeout is None else {"timeout": timeout}
+    try:
+        r = http.request(req.method, req.path, content=body, headers=headers, **extra)
+    except httpx.LocalProtocolError as exc:  # never left this process: a generator bug
+        raise RuntimeError(f"unsendable request from {req.category}: {exc}") from exc
+    except Exception as exc:  # httpx transport errors: the service did not answer
+        return Outcome(None, False, f"{type(exc).__name__}: {exc}")
+    ok = 200 <= r.status_code < 300
+    bad = ok
+    if ok and req.replay:
+        try:
+            answer = msgpack.unpackb(r.content, raw=False)["body"]
+            bad = not (answer.get("duplicate") is True and answer.get("accepted") == 0)
+        except Exception:
+            bad = True
+    return Outcome(r.status_code, bad, r.text[:300] if (bad or r.status_code >= 500) else "")
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def start_service(tmp: Path, token: str, max_body_bytes: int, max_weight_file_bytes: int):
+    cfg = tmp / "dataflow.yaml"
+    cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "state_dir": str(tmp / "state"),
+                               "group_size": 2, "log_level": "ERROR", "lease_seconds": 3600,
+                               "max_body_bytes": max_body_bytes,
+                               "max_weight_file_bytes": max_weight_file_bytes}))
+    env = {**os.environ, "ASTRALIGHT_TOKEN": token}
+    log = open(tmp / "dataflow.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "astralight.dataflow.service", "--config",
+                             str(cfg)], stdout=subprocess.PIPE, stderr=log, env=env)
+    line = proc.stdout.readline().decode()
+    if "serving on" not in line:
+        proc.kill()
+        raise RuntimeError(f"service did not start: {(tmp / 'dataflow.log').read_text()[-2000:]}")
+    return proc, line.split(" on ", 1)[1].strip()
+
+
+def healthy(http, ctx: Context, proc) -> bool:
+    if proc.poll() is not None:
+        return False
+    try:
+        return http.get("/v1/info", headers=ctx.auth(), timeout=10.0).status_code == 200
+    except Exception:
+        return False
+
+
+def run(requests: int, seed: int, check_every: int = 250) -> dict:
+    import httpx
+
+    token = "fuzz-" + hashlib.sha256(str(seed).encode()).hexdigest()[:24]
+    max_body, max_file = 64 * 1024, 256 * 1024
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_service(Path(tmp), token, max_body, max_file)
+        try:
+            with httpx.Client(base_url=url, timeout=30.0) as http:
+                ctx = prepare(http, token=token, max_body_bytes=max_body,
+                              max_weight_file_bytes=max_file)
+                before = http.get("/v1/stats", headers=ctx.auth()).json()["models"]["policy"]
+                rng = random.Random(seed)
+                per_cat: dict[str, Counter] = defaultdict(Counter)
+                examples: list[dict] = []
+                status_5xx = accepted_bad = no_answer = crashes = 0
+                t0 = time.perf_counter()
+                sent = 0
+                for sent in range(1, requests + 1):
+                    req = generate(rng, ctx)
+                    out = send(http, req, ctx)
+                    c = per_cat[req.category]
+                    c["requests"] += 1
+                    c[f"status_{out.status}" if out.status else "no_answer"] += 1
+                    if out.status is None:
+                        no_answer += 1
+                    elif out.status >= 500:
+                        status_5xx += 1
+                    if out.accepted_bad:
+                        accepted_bad += 1
+                    if (out.status is None or out.status >= 500 or out.accepted_bad) and \
+                            len(examples) < 10:
+                        examples.append({"category": req.category, "method": req.method,
+                                         "path": req.path[:120], "status": out.status,
+                                         "detail": out.detail})
+                    if (out.status is None or sent % check_every == 0) and \
+                            not healthy(http, ctx, proc):
+                        crashes += 1
+                        break
+                elapsed = time.perf_counter() - t0
+                alive = healthy(http, ctx, proc)
+                crashes += 0 if alive or crashes else 1
+                after = (http.get("/v1/stats", headers=ctx.auth()).json() if alive else {})
+                clients = after.get("clients", {})
+                model_after = after.get("models", {}).get("policy", {})
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {
+        "requests": sent, "status_5xx": status_5xx, "crashes": crashes,
+        "accepted_bad": accepted_bad, "no_answer": no_answer,
+        "requests_per_s": round(sent / elapsed, 1) if elapsed > 0 else None,
+        "elapsed_s": round(elapsed, 2), "seed": seed,
+        "samples_accepted_during_fuzz": (model_after.get("samples_accepted", 0)
+                                         - before.get("samples_accepted", 0)) if model_after else None,
+        "duplicates_ignored_during_fuzz": (model_after.get("duplicates_ignored", 0)
+                                           - before.get("duplicates_ignored", 0)) if model_after else None,
+        "client_failures_4xx": {a: c["failures_4xx"] for a, c in clients.items()},
+        "categories": {k: dict(sorted(v.items())) for k, v in sorted(per_cat.items())},
+        "examples": examples,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    result = run(args.requests, args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key in ("requests", "status_5xx", "crashes", "accepted_bad", "requests_per_s"):
+            print(f"{key}: {result[key]}")
+        for cat, counts in result["categories"].items():
+            print(f"  {cat}: {counts}")
+    bad = result["status_5xx"] or result["crashes"] or result["accepted_bad"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
