@@ -25,6 +25,27 @@ instead of the fixed ``raas`` list; RaaS then come and go inside the autoscaler,
 autoscaler itself must stay alive. The summary gains ``pool`` (the autoscaler's decisions),
 ``rollout_capacity_seconds`` (sum over the dataflow's instance table of alive_s x
 capacity_units) and ``trainer_seconds`` (the trainers' process lifetimes), in every run.
+
+Supervision (``supervise: {max_restarts: 3, backoff_s: 2, backoff_factor: 2, max_backoff_s: 30}``,
+on by default with these values; ``supervise: false`` turns it off): a component that exits
+while the run goes on -- a trainer with a non-zero status, a service with any -- is restarted
+after a growing backoff: the dataflow on its state folder (same port), a RaaS (or the
+autoscaler) fresh, a trainer from its newest ``last*.ckpt`` (``--ckpt_path``; from scratch if
+it has none yet). A trainer that exits 0 has finished. Each component may be restarted
+``max_restarts`` times; its next crash fails the run. Restarts are logged, counted in the
+summary (``restarts`` per component, ``restart_events`` with ``downtime_s`` and
+``recovery_s``: exit seen -> progress again) and kept in ``launch_state.json``
+(:mod:`astralight.supervise` holds the policy).
+
+Run folder files for operators: ``pids.json`` (``{component: pid}`` of what runs now, rewritten
+on every start, restart, exit and stop: what a fault injector kills), ``recipe.yaml`` (the
+resolved recipe), ``launch_state.json``. ``astralight run --resume RUN_DIR`` continues an
+interrupted run: it reads ``RUN_DIR/recipe.yaml`` (or the recipe given), refuses while
+components listed in ``pids.json`` still run, reuses the prepared model, restarts the dataflow
+on its state and the trainers from their last checkpoints, and runs to ``stop.versions``; its
+summary is the whole run's (the dataflow's counters are durable; restarts and trainer time add
+up over launches, ``resumes`` counts the resumptions). SIGTERM stops the launcher like Ctrl-C
+(components in order), leaving the folder resumable.
 """
 
 from __future__ import annotations
@@ -38,12 +59,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from astralight.supervise import (
+    GiveUp,
+    RestartEvent,
+    SuperviseError,
+    Supervisor,
+    supervise_settings,
+)
 
 def _default_recipe() -> Path:
     """The embedded toy recipe (examples/toy/recipe.yaml, installed as package astralight.toy)."""
@@ -58,17 +88,32 @@ class RecipeError(ValueError):
 
 @dataclass
 class Component:
-    """One child process of the run and where its output goes."""
+    """One child process of the run and where its output goes.
+
+    ``extra_argv`` is appended at each start (a trainer's ``--ckpt_path`` when it resumes);
+    ``config`` is the component's own config (the launcher reads a trainer's checkpoint folder
+    from it). Each (re)start appends to the same log, and its start/end times to ``lifetimes``.
+    """
 
     name: str
     argv: list[str]
     log_path: Path
     env: dict = field(default_factory=dict)
     cpus: list[int] | None = None
+    config: dict | None = None
+    extra_argv: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     log_file: Any = None
+    lifetimes: list[list[float | None]] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        """``dataflow``, ``raas``, ``trainer`` or ``autoscale``."""
+        return self.name.split("-")[0]
 
     def start(self) -> None:
+        if self.log_file is not None:  # a restart: the previous process's log handle
+            self.log_file.close()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.log_path, "ab", buffering=0)
         # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then stops
@@ -79,12 +124,30 @@ class Component:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.argv + list(self.extra_argv), stdout=self.log_file,
+                                     stderr=subprocess.STDOUT,
                                      env={**os.environ, **{k: str(v) for k, v in self.env.items()}},
                                      start_new_session=True, preexec_fn=pin)
+        self.lifetimes.append([time.time(), None])
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        alive = self.proc is not None and self.proc.poll() is None
+        if not alive and self.lifetimes and self.lifetimes[-1][1] is None:
+            self.lifetimes[-1][1] = time.time()  # first seen gone
+        return alive
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def seconds_alive(self, now: float | None = None) -> float:
+        """Summed lifetime of every process this component ran."""
+        now = time.time() if now is None else now
+        return sum((end if end is not None else now) - start for start, end in self.lifetimes)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         if self.proc is None:
@@ -98,6 +161,7 @@ class Component:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
+        self.alive()  # records the end of its lifetime
         if self.log_file:
             self.log_file.close()
             self.log_file = None
@@ -518,7 +582,7 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
         else:
             argv, kind_env = ["fit", "--config", path], env.get("trainer", {})
         comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log", env=kind_env,
-                               cpus=cpus.get(kind)))
+                               cpus=cpus.get(kind), config=cfg))
     if autoscale is not None:
         # started right after the dataflow; pinned to the RaaS cores, which its children (the
         # instances) inherit, with the RaaS environment
@@ -529,14 +593,163 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
     return comps
 
 
-def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> dict:
-    """Run a recipe to completion and return the final summary (also printed as JSON)."""
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so that a reader (or a crash) sees the old file or the new one,
+    never half of one: a temp file in the same folder, fsynced, renamed over, the folder fsynced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def write_pids(run_dir: Path, comps: list[Component]) -> Path:
+    """``RUN_DIR/pids.json``: ``{component: pid}`` of every component running now (rewritten on
+    each start, restart, exit and stop), so a fault injector or an operator finds what to kill.
+    Components of the autoscaler's pool are its children and are not listed."""
+    pids = {c.name: c.pid for c in comps if c.proc is not None and c.proc.poll() is None}
+    return write_atomic(run_dir / "pids.json", json.dumps(pids, indent=2) + "\n")
+
+
+def checkpoint_dirs(trainer_cfg: dict, run_dir: Path) -> list[Path]:
+    """Where a trainer config's ``ModelCheckpoint`` callbacks write (their ``dirpath``); without
+    one, the Lightning default under ``trainer.default_root_dir`` (searched recursively)."""
+    trainer = (trainer_cfg or {}).get("trainer") or {}
+    dirs = []
+    for cb in trainer.get("callbacks") or []:
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("ModelCheckpoint"):
+            dirpath = (cb.get("init_args") or {}).get("dirpath")
+            if dirpath:
+                dirs.append(Path(dirpath))
+    if not dirs:
+        dirs.append(Path(trainer.get("default_root_dir") or run_dir))
+    return dirs
+
+
+def last_checkpoint(trainer_cfg: dict, run_dir: Path) -> Path | None:
+    """The newest ``last*.ckpt`` a trainer config's checkpoint callbacks wrote, or None."""
+    found: list[Path] = []
+    for d in checkpoint_dirs(trainer_cfg, run_dir):
+        if not d.is_dir():
+            continue
+        explicit = any(str(cb.get("class_path", "")).endswith("ModelCheckpoint")
+                       for cb in ((trainer_cfg or {}).get("trainer") or {}).get("callbacks") or []
+                       if isinstance(cb, dict))
+        found += list(d.glob("last*.ckpt") if explicit else d.rglob("last*.ckpt"))
+    found = [p for p in found if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def running_components(run_dir: Path) -> dict[str, int]:
+    """Components listed in ``RUN_DIR/pids.json`` still alive and still this run's (their command
+    line names the run folder): an interrupted launcher (kill -9) leaves them running."""
+    try:
+        pids = json.loads((run_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for name, pid in (pids.items() if isinstance(pids, dict) else []):
+        try:
+            cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, TypeError):
+            continue
+        if str(run_dir).encode() in cmdline:
+            out[name] = int(pid)
+    return out
+
+
+#: the launcher's own state in the run folder, kept across --resume
+LAUNCH_STATE = "launch_state.json"
+
+
+def _load_launch_state(run_dir: Path) -> dict:
+    try:
+        state = json.loads((run_dir / LAUNCH_STATE).read_text())
+    except (OSError, ValueError):
+        state = {}
+    state.setdefault("restarts", {})
+    state.setdefault("restart_events", [])
+    state.setdefault("trainer_seconds", 0.0)
+    state.setdefault("resumes", 0)
+    return state
+
+
+def _save_launch_state(run_dir: Path, prior: dict, sup: Supervisor, comps: list[Component]) -> dict:
+    """The run's restarts and trainer time so far, this launch's added to the earlier ones'."""
+    restarts = dict(prior["restarts"])
+    for name, n in sup.restarts.items():
+        restarts[name] = restarts.get(name, 0) + n
+    state = {"restarts": restarts,
+             "restart_events": prior["restart_events"] + [e.as_dict() for e in sup.events],
+             "trainer_seconds": round(prior["trainer_seconds"] + sum(
+                 c.seconds_alive() for c in comps if c.kind == "trainer"), 1),
+             "resumes": prior["resumes"]}
+    write_atomic(run_dir / LAUNCH_STATE, json.dumps(state, indent=2))
+    return state
+
+
+def _trainer_resume_args(comp: Component, run_dir: Path) -> tuple[list[str], str]:
+    """``--ckpt_path PATH`` of the trainer's newest last checkpoint (or nothing), and a note."""
+    ckpt = last_checkpoint(comp.config or {}, run_dir)
+    if ckpt is None:
+        return [], "from scratch (no last checkpoint yet)"
+    return ["--ckpt_path", str(ckpt)], f"from {ckpt}"
+
+
+def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = False,
+        resume: bool = False) -> dict:
+    """Run a recipe to completion and return the final summary (also printed as JSON).
+
+    ``resume``: continue the run folder ``run_dir`` (the dataflow on its state folder, trainers
+    from their last checkpoint, the prepared model reused) until ``stop.versions``; the recipe
+    defaults to the one the first launch saved in ``run_dir/recipe.yaml``.
+
+    Components are supervised (``recipe.supervise``, :mod:`astralight.supervise`): a crashed one
+    is restarted -- the dataflow on its state folder, a RaaS fresh, a trainer from its last
+    checkpoint -- and the run fails only when one crashes more than ``max_restarts`` times.
+    """
     t_start = time.time()
+    if resume:
+        if run_dir is None:
+            raise RecipeError("--resume: name the run folder to resume")
+        run_dir = Path(run_dir).resolve()
+        if not run_dir.is_dir():
+            raise RecipeError(f"--resume: {run_dir} is not a folder")
+        if recipe_path is None:
+            recipe_path = run_dir / "recipe.yaml"
+            if not recipe_path.is_file():
+                raise RecipeError(f"--resume: {recipe_path} is missing (a run folder written by "
+                                  "an older launcher); pass the recipe as well")
+        alive = running_components(run_dir)
+        if alive:
+            raise RecipeError(f"--resume: components of {run_dir} are still running "
+                              f"{alive}; stop them first (kill PID) so that two copies do not "
+                              "share the state folder")
+    recipe_path = Path(recipe_path) if recipe_path is not None else _default_recipe()
     recipe = load_recipe(recipe_path)
+    settings = supervise_settings_checked(recipe.get("supervise"))
     name = recipe.get("name", recipe_path.stem)
     run_dir = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"[launch] run folder: {run_dir}", flush=True)
+    print(f"[launch] run folder: {run_dir}{' (resuming)' if resume else ''}", flush=True)
+    if not resume and (run_dir / "dataflow" / "dataflow.db").exists():
+        print(f"[launch] warning: {run_dir} already holds dataflow state, which the dataflow "
+              f"continues; trainers start from scratch (use --resume {run_dir} to resume them "
+              "from their checkpoints)", flush=True)
+    saved = run_dir / "recipe.yaml"
+    if recipe_path.resolve() != saved.resolve():  # the resolved recipe, for --resume
+        write_atomic(saved, yaml.safe_dump({"name": name, **recipe}, sort_keys=False))
+    prior = _load_launch_state(run_dir)
+    if resume:
+        prior["resumes"] += 1
     seed = recipe.get("seed", 0)
     port = int(recipe.get("port") or _free_port())
     url = f"http://127.0.0.1:{port}"
@@ -556,50 +769,83 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
     deadline = t_start + float(stop.get("timeout_s", 3600))
     summary: dict[str, Any] = {}
     interrupted = False
+    # where the run stood just after each crash, (version, rollouts) from the first stats read
+    # after it: progress beyond that tells when the restarted component recovered
+    marks: dict[int, tuple[int, int]] = {}
+    last_progress = {"version": 0, "rollouts": 0, "stats_ok": False, "at": 0.0}
+
+    def start(comp: Component) -> str:
+        note = ""
+        if comp.kind == "trainer" and (resume or comp.lifetimes):
+            comp.extra_argv, note = _trainer_resume_args(comp, run_dir)
+        comp.start()
+        write_pids(run_dir, comps)
+        return note
+
+    def restart(comp: Component) -> None:
+        comp.stop()  # closes the dead process's log handle
+        note = start(comp)
+        event = next((e for e in reversed(sup.events) if e.component == comp.name), None)
+        if event is not None and note:
+            event.detail = note
+
+    def on_event(event: RestartEvent) -> None:
+        if event.restarted_at is None:  # a crash just seen
+            write_pids(run_dir, comps)
+        _save_launch_state(run_dir, prior, sup, comps)
+
+    sup = Supervisor(comps, settings, restart, log=lambda line: print(line, flush=True),
+                     on_event=on_event)
+    # SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C: components in order, the run
+    # folder left resumable, instead of the launcher dying and orphaning them
+    previous_term = None
+    if threading.current_thread() is threading.main_thread():
+        previous_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        comps[0].start()
+        start(comps[0])
         _wait_ready(url, comps[0], timeout_s=60)
         print(f"[launch] dataflow ready at {url}", flush=True)
-        trainer_times: dict[str, list[float]] = {}
         for comp in comps[1:]:
-            comp.start()
-            if comp.name.startswith("trainer-"):
-                trainer_times[comp.name] = [time.time()]
-            print(f"[launch] started {comp.name} (log: {comp.log_path})", flush=True)
-        trainers = [c for c in comps if c.name.startswith("trainer-")]
-        services = [c for c in comps[1:] if c not in trainers]
+            note = start(comp)
+            print(f"[launch] started {comp.name} (log: {comp.log_path})"
+                  f"{' ' + note if note and comp.kind == 'trainer' else ''}", flush=True)
         last_print = 0.0
         # the dataflow's balance report every `balance.every` versions, into balance.txt
         balance_every = int((recipe.get("balance") or {}).get("every", 10))
         balance_at, last_balance = 0, None
         final_eval_deadline = None
+        stats: dict = {}
+        evals: dict = {}
         while True:
             time.sleep(1.0)
             now = time.time()
             if now > deadline:
                 raise RuntimeError(f"run exceeded stop.timeout_s={stop.get('timeout_s')}")
-            for comp in services + [comps[0]]:
-                if not comp.alive():
-                    raise RuntimeError(f"{comp.name} exited with {comp.proc.returncode}:\n{comp.tail()}")
-            for comp in trainers:
-                if not comp.alive() and comp.proc.returncode != 0:
-                    raise RuntimeError(f"{comp.name} failed with {comp.proc.returncode}:\n{comp.tail()}")
-                if not comp.alive() and len(trainer_times[comp.name]) == 1:
-                    trainer_times[comp.name].append(now)
+            sup.poll(now)
             try:
                 stats = _get_json(f"{url}/v1/stats")
+                last_progress["stats_ok"] = True
             except Exception:
                 stats = {}
-            evals = _eval_table(url, model_id)
-            version = int(_policy_stats(stats, model_id).get("current_version") or 0)
+                last_progress["stats_ok"] = False
+            pol = _policy_stats(stats, model_id)
+            last_progress["at"] = time.time()
+            if stats:
+                last_progress["version"] = int(pol.get("current_version") or 0)
+                last_progress["rollouts"] = int(pol.get("rollouts_generated") or 0)
+            _mark_recoveries(sup, comps, marks, last_progress)
+            evals = _eval_table(url, model_id) if stats else evals
+            version = int(pol.get("current_version") or 0)
             if balance_every and version - balance_at >= balance_every:
                 balance_at = version
                 report = _balance_report(url, model_id, balance_every, run_dir / "balance.txt")
                 last_balance = report or last_balance
             if not quiet and now - last_print >= float(stop.get("progress_every_s", 5)):
-                print(_progress_line(now - t_start, target, stats, evals, model_id), flush=True)
+                line = _progress_line(now - t_start, target, stats, evals, model_id)
+                down = sup.down()
+                print(line + (f" | restarting {sorted(down)}" if down else ""), flush=True)
                 last_print = now
-            if all(not c.alive() for c in trainers):
+            if sup.finished_trainers():
                 if final_eval_deadline is None:
                     print("[launch] trainers finished; waiting for the final evaluation", flush=True)
                     final_eval_deadline = now + float(stop.get("final_eval_timeout_s", 300))
@@ -613,8 +859,10 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(stats, evals, per_version, model_id, target)
         summary["balance"] = last_balance
-        summary["trainer_seconds"] = round(sum((t[1] if len(t) > 1 else time.time()) - t[0]
-                                               for t in trainer_times.values()), 1)
+        state = _save_launch_state(run_dir, prior, sup, comps)
+        summary["trainer_seconds"] = state["trainer_seconds"]
+        summary.update(restarts=state["restarts"], restart_events=state["restart_events"],
+                       resumes=state["resumes"])
         if recipe.get("autoscale") is not None:
             summary["pool"] = read_pool_history(run_dir / "autoscale.jsonl")
         others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
@@ -624,25 +872,68 @@ def run(recipe_path: Path, run_dir: Path | None = None, quiet: bool = False) -> 
     except KeyboardInterrupt:
         interrupted = True
         print("\n[launch] interrupted: stopping components", flush=True)
+    except GiveUp as exc:
+        raise RuntimeError(str(exc)) from None
     finally:
         for comp in reversed(comps):
             # trainers get SIGINT (Lightning's graceful stop), services SIGTERM
-            sig = signal.SIGINT if comp.name.startswith("trainer-") else signal.SIGTERM
+            sig = signal.SIGINT if comp.kind == "trainer" else signal.SIGTERM
             timeout_s = 30.0
             if comp.name == "autoscale":  # it drains its instances before it exits
-                settings = autoscale_settings(recipe["autoscale"])
-                timeout_s += settings["drain_timeout_s"] + settings["kill_after_s"]
+                settings_a = autoscale_settings(recipe["autoscale"])
+                timeout_s += settings_a["drain_timeout_s"] + settings_a["kill_after_s"]
             comp.stop(sig, timeout_s=timeout_s)
+        write_pids(run_dir, comps)
+        _save_launch_state(run_dir, prior, sup, comps)
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
         print("[launch] all components stopped", flush=True)
     if interrupted:
         raise KeyboardInterrupt
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     print(json.dumps(summary), flush=True)
     if (recipe["dataflow"].get("eval") or {}).get("source") and summary.get("eval_accuracy_end") is None:
         raise RuntimeError(f"the final evaluation of version {target} did not complete within "
                            f"stop.final_eval_timeout_s={stop.get('final_eval_timeout_s', 300)}; "
                            f"see {run_dir / 'logs'}")
     return summary
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def supervise_settings_checked(spec: Any) -> dict | None:
+    """:func:`astralight.supervise.supervise_settings`, its errors as :class:`RecipeError`."""
+    try:
+        return supervise_settings(spec)
+    except SuperviseError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def _mark_recoveries(sup: Supervisor, comps: list[Component], marks: dict,
+                     progress: dict) -> None:
+    """Stamp ``recovered_at`` on restarted components that made progress again, judged on a
+    stats read (``progress``) taken after their restart: the dataflow answers; a trainer's policy
+    has a newer version, a RaaS (or the autoscaler's pool) more rollouts than at the first stats
+    read after the crash (``marks``, filled here)."""
+    by_name = {c.name: c for c in comps}
+    at = progress["at"]
+    for event in sup.events:
+        if event.recovered_at is not None:
+            continue
+        if id(event) not in marks and progress["stats_ok"]:
+            marks[id(event)] = (progress["version"], progress["rollouts"])
+        if event.restarted_at is None or at <= event.restarted_at or not progress["stats_ok"]:
+            continue
+        kind = by_name[event.component].kind
+        version, rollouts = marks.get(id(event), (progress["version"], progress["rollouts"]))
+        if (kind == "dataflow"
+                or kind == "trainer" and progress["version"] > version
+                or kind in ("raas", "autoscale") and progress["rollouts"] > rollouts):
+            event.recovered_at = at
+            print(f"[launch] {event.component} recovered {event.recovery_s:.1f}s after its exit",
+                  flush=True)
 
 
 def export_configs(recipe_path: Path, out_dir: Path, port: int = 8400,
@@ -664,20 +955,32 @@ def export_configs(recipe_path: Path, out_dir: Path, port: int = 8400,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astralight run", description=__doc__.split("\n")[0])
     parser.add_argument("recipe", nargs="?", default=None,
-                        help="recipe YAML (default: the embedded toy recipe)")
+                        help="recipe YAML (default: the embedded toy recipe; with --resume: the "
+                             "recipe saved in the run folder)")
     parser.add_argument("--run-dir", default=None, help="run folder (default runs/NAME-TIMESTAMP)")
+    parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+                        help="continue an interrupted run folder: the dataflow on its state, "
+                             "trainers from their last checkpoints, until stop.versions")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--export-configs", metavar="DIR", default=None,
                         help="write each component's config to DIR (dataflow.yaml, raas.yaml, "
                              "trainer.yaml) and exit, to start the components by hand")
     args = parser.parse_args(argv)
-    recipe_path = Path(args.recipe) if args.recipe else _default_recipe()
     try:
         if args.export_configs:
+            recipe_path = Path(args.recipe) if args.recipe else _default_recipe()
             for path in export_configs(recipe_path, Path(args.export_configs)):
                 print(path)
             return 0
-        run(recipe_path, Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
+        if args.resume:
+            if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+                raise RecipeError("--run-dir: with --resume the run folder is RUN_DIR; "
+                                  "give one of them")
+            run(Path(args.recipe) if args.recipe else None, Path(args.resume),
+                quiet=args.quiet, resume=True)
+        else:
+            run(Path(args.recipe) if args.recipe else _default_recipe(),
+                Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
     except RecipeError as exc:
         print(f"astralight run: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,15 @@
 The model and data are in subclass mode, so a config says
 ``model: {class_path: astralight.policy.M2POPolicy, init_args: {...}}`` and a user's own module
 plugs in the same way. ``fit`` is implied: ``astralight fit --config trainer.yaml``.
+
+Resume: ``astralight fit --config trainer.yaml --ckpt_path last`` (or a path) continues from a
+Lightning checkpoint: the optimizer step (so the policy version the WeightPublisher numbers from),
+the publisher's counters (its first publication after a resume is a full version; versions the
+dataflow already holds are skipped, never published again), and the datamodule's counters. The
+launcher passes ``--ckpt_path`` when it restarts a trainer or resumes a run.
+
+Checkpoints are written atomically (:class:`astralight.checkpoint_io.AtomicCheckpointIO`: temp
+file in the checkpoint folder, fsync, rename) unless the config chooses a checkpoint IO plugin.
 """
 
 from __future__ import annotations
@@ -10,9 +19,20 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
+from astralight.checkpoint_io import install as install_atomic_checkpoints
+
+
+class AstralightCLI(LightningCLI):
+    """LightningCLI whose trainer writes checkpoints atomically (see the module docstring)."""
+
+    def instantiate_trainer(self, **kwargs) -> pl.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        install_atomic_checkpoints(trainer)
+        return trainer
+
 
 def main(argv: list[str] | None = None) -> None:
-    LightningCLI(
+    AstralightCLI(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,

@@ -712,6 +712,15 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
             self._start_worker()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.worker == "process" and trainer.is_global_zero and not is_sharded(trainer, pl_module):
+            self._prestart(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Skip the versions the dataflow already holds (a resumed trainer behind it).
+
+        Here and not in ``on_fit_start``: Lightning restores the loops (``global_step``) from a
+        checkpoint after ``on_fit_start``, so only now is the resumed step known.
+        """
         expected = trainer.global_step // self.every_n_steps
         current = -1
         if trainer.is_global_zero:
@@ -719,18 +728,15 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
                 current = int(self.client.current_version(self.model_id))
             except Exception as exc:  # the service may be starting; publication retries anyway
                 log.warning("could not read the current version of %r: %s", self.model_id, exc)
-        if self.worker == "process" and trainer.is_global_zero and not is_sharded(trainer, pl_module):
-            self._prestart(trainer, pl_module)
         # every rank must take the same skip decisions: under FSDP the snapshot is a collective
         current = trainer.strategy.broadcast(current, src=0)
-        if current > expected:
-            self._skip_through = current
-            if trainer.is_global_zero:
-                log.warning(
-                    "the dataflow already holds version %d of %r but this trainer is at version "
-                    "%d (step %d), e.g. resumed from an older checkpoint: versions up to %d are "
-                    "not published again; the next publication is version %d (full)", current,
-                    self.model_id, expected, trainer.global_step, current, current + 1)
+        self._skip_through = max(self._skip_through, current)
+        if current > expected and trainer.is_global_zero:
+            log.warning(
+                "the dataflow already holds version %d of %r but this trainer is at version "
+                "%d (step %d), e.g. resumed from an older checkpoint: versions up to %d are "
+                "not published again; the next publication is version %d (full)", current,
+                self.model_id, expected, trainer.global_step, current, current + 1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:

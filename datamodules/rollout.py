@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -202,6 +203,7 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         #: the last acknowledged batch ids (bounded) and how many in all
         self.acknowledged: collections.deque[str] = collections.deque(maxlen=1024)
         self.n_acknowledged = 0
+        self._pulled_before = 0  # batches pulled by earlier streams (and before a resume)
 
     # ---------------------------------------------------------------- client
 
@@ -219,7 +221,14 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
                              self.pull_timeout_s, self.max_wait_s, self._trainer_id(), lazy=lazy,
                              where=self.dataflow_url)
 
+    @property
+    def n_pulled(self) -> int:
+        """Batches pulled in this trainer's life, resumes included."""
+        return self._pulled_before + (self._stream.pulled if self._stream is not None else 0)
+
     def train_dataloader(self) -> DataLoader:
+        if self._stream is not None:
+            self._pulled_before += self._stream.pulled
         self._stream = self.stream(lazy=True)
         # batch_size=None: the stream yields whole batches; num_workers=0: pulls happen in the
         # training process, where the ack and the weight publication also happen.
@@ -246,7 +255,34 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self.close_client()
+        if self._stream is not None:
+            self._pulled_before += self._stream.pulled
         self._stream = None
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The datamodule's position, saved in every checkpoint.
+
+        A pull stream has no replayable position of its own: the dataflow owns it (each batch
+        is served once, acknowledged after its optimizer step, re-served if never acknowledged).
+        What the trainer keeps is how far it got: batches pulled and acknowledged, and the last
+        acknowledged ids. Lightning saves checkpoints after a step's ack, so a checkpoint never
+        holds a batch pulled and not acknowledged; batches acknowledged after the checkpoint
+        were trained into weights a crash lost, and the resumed trainer trains on new ones.
+        """
+        return {"batches_pulled": self.n_pulled, "batches_acknowledged": self.n_acknowledged,
+                "last_acknowledged": list(self.acknowledged)[-32:]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pulled_before = int(state_dict.get("batches_pulled", 0))
+        if self._stream is not None:
+            self._stream.pulled = 0
+        self.n_acknowledged = int(state_dict.get("batches_acknowledged", 0))
+        self.acknowledged.clear()
+        self.acknowledged.extend(str(b) for b in state_dict.get("last_acknowledged", []))
+        rank_zero_info(f"{self.model_id}: resumed after {self.n_acknowledged} acknowledged "
+                       f"batches (last {self.acknowledged[-1] if self.acknowledged else None})")
 
 
 def _identity(x: Any) -> Any:

@@ -21,6 +21,7 @@ import time
 import uuid
 import zlib
 from collections import Counter, defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,7 @@ class Dataflow:
                 raise ValueError("eval.source: the eval source is empty") from None
             self.eval_prompts = evals.eval_size(self.eval_source)
         self.store = Store(self.state_dir / "dataflow.db")
+        self.opened_at = time.time()  # batch ack timeouts count from here at the earliest
         self.weights = WeightFiles(self.state_dir / "weights")
         self.model_ids = list(config.model_ids)
         stored = self.store.latest_versions()
@@ -166,6 +168,37 @@ class Dataflow:
             plugin.rng.bit_generator.state = state["rng"]
             plugin.load_state_dict(state["plugin"])
             log.info("%s (%s): state restored", name, type(plugin).__name__)
+        self._replay_journal(int(saved.get("journal_seq", 0)))
+
+    def _replay_journal(self, after: int) -> None:
+        """Bring the curators from their last snapshot to the moment the service stopped.
+
+        Snapshots are written every ``plugin_state_every_s`` (serialising a curator's per-prompt
+        table on every push would cost too much), but every push journals its
+        :class:`PromptOutcome` and every publication its version in the same transaction as the
+        samples / the version. Replaying the entries after the snapshot, in order, gives the
+        curators exactly the state they had at a kill -9. (Random draws a curator made after the
+        snapshot are not replayed: its generator continues from the snapshot, still seeded.)
+        """
+        self._journal_applied = after
+        rows = self.store.journal_after(after)
+        for row in rows:
+            data = json.loads(row["data"])
+            if row["kind"] == "outcome":
+                outcome = PromptOutcome(**data)
+                for curator in self.curators:
+                    curator.update(outcome)
+            elif row["kind"] == "version":
+                for curator in self.curators:
+                    curator.on_version(int(data["version"]))
+            self._journal_applied = int(row["seq"])
+        if rows:
+            log.info("curators: %d journal entries after the last snapshot replayed", len(rows))
+
+    def _journal(self, kind: str, data: dict) -> int | None:
+        """Inside the caller's transaction: journal a curator event (only when there are
+        curators); the caller applies it after the commit and sets ``_journal_applied``."""
+        return self.store.journal(kind, data) if self.curators else None
 
     def _save_plugin_state(self, now: float) -> None:
         """Inside the caller's transaction: persist every plugin's state and generator."""
@@ -173,7 +206,9 @@ class Dataflow:
             self.store.save_plugin_state(name, self._class_path(plugin),
                                          {"rng": plugin.rng.bit_generator.state,
                                           "plugin": plugin.state_dict()}, now)
-        self.store.set_meta("plugin_run_state", {"skip_run": self._skip_run})
+        self.store.set_meta("plugin_run_state", {"skip_run": self._skip_run,
+                                                 "journal_seq": self._journal_applied})
+        self.store.truncate_journal(self._journal_applied)
         self._plugins_saved_at = now
 
     def _maybe_save_plugin_state(self, now: float) -> None:
@@ -551,6 +586,7 @@ class Dataflow:
                                             "filtered": "samples_filtered"}[state]] += 1
                     for m, group_kept in outcome.kept.items():
                         counts[m, "groups_filtered"] += not group_kept
+                    journal_seq = self._journal("outcome", asdict(outcome))
                     for (m, name), k in counts.items():
                         self._bump(m, name, k)
                 self.store.mark_done(task_id, now)
@@ -572,6 +608,8 @@ class Dataflow:
             if outcome is not None:
                 for curator in self.curators:
                     curator.update(outcome)
+                if journal_seq is not None:
+                    self._journal_applied = journal_seq
             return {"accepted": len(entries) if row["kind"] == "train" else len(samples),
                     "filtered": len(samples) - len(entries) if row["kind"] == "train" else 0,
                     "duplicate": False}
@@ -763,9 +801,17 @@ class Dataflow:
 
     def requeue_expired_batches(self, now: float | None = None) -> set[str]:
         """Put the samples of batches not acked within ``batch_ack_timeout_s`` back in their
-        queues (at their original place in the order). Returns the model_ids that got samples."""
+        queues (at their original place in the order). Returns the model_ids that got samples.
+
+        The timeout counts from when the service could last take the ack: a batch served before
+        a restart gets a whole ``batch_ack_timeout_s`` after the restart, so a trainer that kept
+        training it while the service was down can still ack it instead of the samples being
+        served (and trained) a second time.
+        """
         now = time.time() if now is None else now
         woken: set[str] = set()
+        if now - self.opened_at < self.config.batch_ack_timeout_s:
+            return woken  # nothing can have expired since the service (re)started
         with self.lock:
             for batch in self.store.batches_served_before(now - self.config.batch_ack_timeout_s):
                 mid = batch["model_id"]
@@ -844,9 +890,12 @@ class Dataflow:
                                        f"uploaded file has {got[1]} bytes, manifest says {info['bytes']}")
             now = time.time()
             manifest.created = manifest.created or now
+            journal_seq = None
             with self.store.tx():
                 self.store.insert_version(mid, manifest.version, encode(manifest), now)
                 n_evals = self._maybe_schedule_eval(mid, manifest.version, now, previous=current)
+                if mid == self.primary:
+                    journal_seq = self._journal("version", {"version": manifest.version})
             self.versions[mid] = manifest.version
             self.weight_index[mid].append((manifest.version, manifest.kind, now))
             dropped = self.queues[mid].drop_stale(manifest.version)
@@ -854,6 +903,8 @@ class Dataflow:
             if mid == self.primary:
                 for curator in self.curators:
                     curator.on_version(manifest.version)
+                if journal_seq is not None:
+                    self._journal_applied = journal_seq
             with self.store.tx():
                 self._record_stale(mid, dropped)
                 self._bump(mid, "replay_stale_dropped", len(replay_stale))

@@ -2,8 +2,9 @@
 
 Everything that must survive ``kill -9`` lives here: tasks and their leases, accepted samples (the
 msgpack-encoded :class:`Sample`), served batches until acknowledged, published versions and their
-manifests and publication times, eval reports, counters, the prompt-source cursor and
-registered instances (their capacity, state and health counters). The
+manifests and publication times, eval reports, counters, the prompt-source cursor,
+registered instances (their capacity, state and health counters), the data plugins' state
+snapshots and the curator journal (what the curators learned since the last snapshot). The
 in-memory fresh queues are a cache rebuilt from the ``samples`` table on start.
 
 ``synchronous=FULL`` makes every commit fsync the WAL, so a push is answered only once its samples
@@ -77,6 +78,8 @@ CREATE TABLE IF NOT EXISTS replays (
 CREATE INDEX IF NOT EXISTS replays_sample ON replays(sample_id);
 CREATE TABLE IF NOT EXISTS plugin_state (
     name TEXT PRIMARY KEY, class_path TEXT NOT NULL, state TEXT NOT NULL, saved_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS plugin_journal (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, data TEXT NOT NULL);
 """
 
 #: ``{table: [(column, declaration)]}`` added after release; :meth:`Store._migrate` adds the
@@ -191,6 +194,23 @@ class Store:
                           " VALUES(?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET"
                           " class_path=excluded.class_path, state=excluded.state,"
                           " saved_at=excluded.saved_at", (name, class_path, json.dumps(state), now))
+
+    def journal(self, kind: str, data: dict) -> int:
+        """Append what the prompt curators learn (``outcome``) or are told (``version``) to the
+        journal, inside the caller's transaction; returns its sequence number. Replayed onto the
+        last plugin snapshot at start, so curator state survives kill -9 exactly."""
+        cur = self.conn.execute("INSERT INTO plugin_journal(kind, data) VALUES(?, ?)",
+                                (kind, json.dumps(data)))
+        return int(cur.lastrowid)
+
+    def journal_after(self, seq: int) -> list[sqlite3.Row]:
+        """Journal entries newer than ``seq``, oldest first."""
+        return self.conn.execute("SELECT seq, kind, data FROM plugin_journal WHERE seq>?"
+                                 " ORDER BY seq", (seq,)).fetchall()
+
+    def truncate_journal(self, through: int) -> None:
+        """Forget entries a plugin snapshot already holds (seq <= ``through``)."""
+        self.conn.execute("DELETE FROM plugin_journal WHERE seq<=?", (through,))
 
     def counters(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

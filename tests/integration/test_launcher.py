@@ -62,7 +62,9 @@ def test_run_shortened_toy_recipe(tmp_path):
     assert report["decision"]["action"] in ("scale_up", "scale_down", "hold")
     # (a 4-version run trains faster than it publishes, so a window may hold no trained batch;
     # the counts themselves are checked over HTTP in test_sync_and_routing_service.py)
-    assert report["produced"] > 0 and report["consumed"] >= 0
+    # (nor a pushed rollout: under load the trainer may publish two versions between pushes,
+    # measured "produced 0, consumed 32"; something happened in the window either way)
+    assert report["produced"] >= 0 and report["produced"] + report["consumed"] > 0
     assert summary["balance"]["model_id"] == "policy"
 
     # the run folder holds what the README promises

@@ -244,6 +244,34 @@ def test_resume_publishes_full_first_and_skips_versions_the_dataflow_holds(tiny_
     assert [(m.version, m.kind) for m in fake.manifests[5:]] == [(6, "full"), (7, "delta")]
 
 
+def test_resume_judges_the_skip_on_the_restored_step(tiny_model_dir, tmp_path, caplog):
+    """Lightning restores ``global_step`` after ``on_fit_start``: the skip decision and its
+    warning must use the checkpoint's step (3), not 0."""
+    import logging
+
+    fake = FakeDataflowClient(tiny_model_dir)
+    publisher = WeightPublisher(every_n_steps=1, worker="thread")
+    publisher.client = fake
+    _, trainer = fit(tiny_model_dir, fake, [publisher, FlushEachStep(publisher)], 5)
+    ckpt = tmp_path / "step5.ckpt"
+    trainer.save_checkpoint(ckpt)
+    # pretend the checkpoint is older than the dataflow: rewind it to step 3
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state["global_step"] = 3
+    state["loops"]["fit_loop"]["epoch_loop.manual_optimization.optim_step_progress"]["total"][
+        "completed"] = 3
+    [key] = [k for k in state["callbacks"] if k.startswith("WeightPublisher")]
+    state["callbacks"][key]["last_enqueued_step"] = 3
+    torch.save(state, ckpt)
+    resumed = WeightPublisher(every_n_steps=1, worker="thread")
+    resumed.client = fake
+    with caplog.at_level(logging.WARNING):
+        fit(tiny_model_dir, fake, [resumed, FlushEachStep(resumed)], 7, ckpt_path=str(ckpt))
+    assert "this trainer is at version 3 (step 3)" in caplog.text
+    assert resumed.skipped == 2  # versions 4 and 5 are the dataflow's already
+    assert [(m.version, m.kind) for m in fake.manifests[5:]] == [(6, "full"), (7, "delta")]
+
+
 def test_every_n_steps_and_restore(tiny_model_dir):
     fake = FakeDataflowClient(tiny_model_dir)
     publisher = WeightPublisher(model_id="policy", every_n_steps=2, worker="thread")

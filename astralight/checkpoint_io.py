@@ -1,0 +1,94 @@
+"""``AtomicCheckpointIO``: Lightning checkpoints that are whole or absent, even after kill -9.
+
+Why: Lightning's ``TorchCheckpointIO`` writes through an fsspec transaction whose temporary file
+lives in the system temp folder (``tempfile.mkstemp()``), then ``shutil.move``s it into place.
+When the temp folder and the checkpoint folder are on different file systems (a tmpfs ``/tmp``,
+a network or mounted run folder) that move is a *copy into the final path*: a trainer killed
+during it leaves a torn ``last.ckpt`` that the next ``--ckpt_path last`` fails to load. Nothing
+is fsynced either, so a machine crash can leave an empty file under the final name.
+
+This plugin writes the serialized checkpoint to a hidden temp file *in the checkpoint's own
+folder*, fsyncs it, ``os.replace``s it over the target (atomic on one file system) and fsyncs
+the folder. A writer killed at any point leaves the previous checkpoint intact plus at most a
+``.NAME.tmp-*`` file, which the next save of that name removes. Remote paths (``s3://`` ...)
+are left to Lightning's own implementation.
+
+``astralight fit`` installs it unless the config names a checkpoint IO plugin of its own.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+
+
+def _is_local(path: Any) -> bool:
+    text = str(path)
+    return "://" not in text or text.startswith("file://")
+
+
+def _local(path: Any) -> Path:
+    text = str(path)
+    return Path(text[len("file://"):] if text.startswith("file://") else text)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder: fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a writer killed mid-write
+        stale.unlink(missing_ok=True)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are write-temp, fsync, rename (see the module doc)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None or not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        atomic_write_bytes(_local(path), buffer.getbuffer())
+
+
+def install(trainer: Any) -> bool:
+    """Give ``trainer``'s strategy an :class:`AtomicCheckpointIO` unless a checkpoint IO was
+    chosen (``plugins``, or the strategy's own; the plain default ``TorchCheckpointIO`` is
+    replaced); returns whether it did."""
+    strategy = trainer.strategy
+    current = getattr(strategy, "_checkpoint_io", None)
+    if current is not None and type(current) is not TorchCheckpointIO:  # a deliberate choice
+        return False
+    strategy.checkpoint_io = AtomicCheckpointIO()
+    return True
+
+
+__all__ = ["AtomicCheckpointIO", "atomic_write_bytes", "install"]
