@@ -1,6 +1,7 @@
 """The ``astralight`` command: one entry point, one sub-command per process kind.
 
     astralight run [RECIPE.yaml]                 start everything on this machine (the launcher)
+    astralight run --resume RUN_DIR              continue an interrupted run folder
     astralight dataflow serve --config X.yaml    the dataflow service
     astralight raas serve --dataflow URL --config X.yaml   a rollout service
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
