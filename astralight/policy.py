@@ -56,6 +56,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from astralight.lora import LoraSpec, wrap_model
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
 from astralight.rl.kl import kl_penalty
 from astralight.rl.logprobs import causal_lm_logprobs
@@ -135,6 +136,13 @@ class RLPolicy(pl.LightningModule):
         gradient_checkpointing: trade compute for activation memory in the HF model.
         disable_dropout: zero every dropout of the loaded model (recommended for RL).
         logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
+        lora: train a LoRA adapter (peft) instead of all weights, e.g.
+            ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, v_proj], publish: adapter}``
+            (keys and defaults: :class:`astralight.lora.LoraSpec`). Only the adapter parameters
+            train. ``publish: adapter`` makes the WeightPublisher send only the adapter tensors
+            (PEFT names; the RaaS engine needs ``enable_lora``), ``publish: merged`` the merged
+            full weights under the base names. With ``kl_coef > 0`` the KL reference is the base
+            model itself with the adapters disabled (no second model is loaded).
 
     A subclass with its own arguments takes them first and passes the rest on, e.g.
     ``def __init__(self, model_path: str, my_arg: float = 1.0, **kwargs)`` then
@@ -159,6 +167,7 @@ class RLPolicy(pl.LightningModule):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         logprob_chunk_tokens: int | None = None,
+        lora: dict | None = None,
     ):
         super().__init__()
         cls = type(self)
@@ -174,6 +183,12 @@ class RLPolicy(pl.LightningModule):
             raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        lora_spec = LoraSpec.from_config(lora)
+        if lora_spec is not None and lora_spec.dropout > 0 and disable_dropout:
+            raise ValueError(
+                f"lora.dropout: {lora_spec.dropout} while disable_dropout is true; the two forward "
+                "passes of micro-batching and the ratio on fresh data need a deterministic "
+                "forward: set lora.dropout: 0, or disable_dropout: false to accept the noise")
         # Collects the init arguments of this class and of every subclass __init__ in the call
         # chain (those that call super().__init__), so a subclass's own arguments are saved too;
         # then saves them again in the most-derived signature's order (hparams.yaml reads as the
@@ -198,6 +213,7 @@ class RLPolicy(pl.LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.disable_dropout = disable_dropout
         self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.lora_spec = lora_spec
         self.automatic_optimization = False
         self.model: torch.nn.Module | None = None
         # The reference model is kept out of the module tree: not trained, not checkpointed.
@@ -207,23 +223,35 @@ class RLPolicy(pl.LightningModule):
     # ------------------------------------------------------------------ model
 
     def configure_model(self) -> None:
-        """Load the HF model (float32 master weights) once; Lightning calls this before fit."""
+        """Load the HF model (float32 master weights) once; Lightning calls this before fit.
+
+        With ``lora`` the model is wrapped by peft (a ``PeftModel``: base weights frozen, adapters
+        trainable, B = 0 so the wrapped model starts exactly as the base model).
+        """
         if self.model is not None:
             return
         self.model = load_causal_lm(self.model_path, self.disable_dropout)
-        self.model.train()  # from_pretrained returns eval mode; dropout is already zeroed
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.kl_coef > 0 and not self._ref:
+        if self.lora_spec is not None:
+            self.model = wrap_model(self.model, self.lora_spec)
+        self.model.train()  # from_pretrained returns eval mode; dropout is already zeroed
+        if self.kl_coef > 0 and not self._ref and self.lora_spec is None:
             ref = load_causal_lm(self.model_path, disable_dropout=True).eval()
             ref.requires_grad_(False)
             self._ref.append(ref)
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
-        """The frozen initial model for the KL penalty (``None`` when ``kl_coef == 0``)."""
+        """The frozen initial model for the KL penalty (``None`` when ``kl_coef == 0``, and with
+        ``lora``, whose reference is :attr:`model` with its adapters disabled)."""
         return self._ref[0] if self._ref else None
+
+    @property
+    def lora_publish(self) -> str | None:
+        """``"adapter"`` or ``"merged"`` for a LoRA policy (read by the WeightPublisher), else None."""
+        return self.lora_spec.publish if self.lora_spec is not None else None
 
     def on_fit_start(self) -> None:
         torch.manual_seed(self.seed)
@@ -236,7 +264,8 @@ class RLPolicy(pl.LightningModule):
                                   self.logprob_chunk_tokens)
 
     def save_pretrained(self, path: str) -> None:
-        """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``)."""
+        """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``);
+        a LoRA policy saves its adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         from transformers import AutoTokenizer
 
         self.model.save_pretrained(path, safe_serialization=True)
@@ -336,11 +365,15 @@ class RLPolicy(pl.LightningModule):
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: dict) -> Tensor:
-        ref = self.ref_model
+        ref, ctx = self.ref_model, contextlib.nullcontext()
+        if ref is None and self.lora_spec is not None:
+            # LoRA: the initial policy is the base model, i.e. this model with adapters off
+            ref, ctx = self.model, self.model.disable_adapter()
         n = batch["input_ids"].shape[0]
-        parts = [causal_lm_logprobs(ref, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                    self.temperature, self.logprob_chunk_tokens)
-                 for sl in self._micro_slices(n)]
+        with ctx:
+            parts = [causal_lm_logprobs(ref, batch["input_ids"][sl], batch["attention_mask"][sl],
+                                        self.temperature, self.logprob_chunk_tokens)
+                     for sl in self._micro_slices(n)]
         return torch.cat(parts)
 
     def compute_loss(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -531,6 +564,8 @@ class M2POPolicy(RLPolicy):
         gradient_checkpointing: trade compute for activation memory in the HF model.
         disable_dropout: zero every dropout of the loaded model (recommended for RL).
         logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
+        lora: train a LoRA adapter instead of all weights (see :class:`RLPolicy`;
+            ``{r, alpha, dropout, target_modules, use_rslora, publish: adapter|merged}``).
     """
 
     def __init__(
@@ -556,6 +591,7 @@ class M2POPolicy(RLPolicy):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         logprob_chunk_tokens: int | None = None,
+        lora: dict | None = None,
     ):
         if loss not in LOSSES:
             raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
@@ -565,7 +601,7 @@ class M2POPolicy(RLPolicy):
             micro_batch_size=micro_batch_size, grad_clip=grad_clip,
             normalize_advantages=normalize_advantages, seed=seed,
             gradient_checkpointing=gradient_checkpointing, disable_dropout=disable_dropout,
-            logprob_chunk_tokens=logprob_chunk_tokens)
+            logprob_chunk_tokens=logprob_chunk_tokens, lora=lora)
         self.loss_name = loss
         self.m2_threshold = m2_threshold
         self.clip_eps = clip_eps

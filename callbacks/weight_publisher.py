@@ -90,17 +90,16 @@ by DCP). DeepSpeed ZeRO-3 is refused at setup (its partitions are not gathered h
 
 LoRA (peft)
 -----------
-If the HF module is a ``peft.PeftModel``, only the adapter tensors are published, named exactly as
-``PeftModel.save_pretrained`` writes them (``peft.get_peft_model_state_dict``, e.g.
-``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), with
-``metadata["adapter"] = {"type": "lora", "adapter_name", "peft_config"}`` in every manifest.
-The base weights never change, so receivers keep the base model from its folder (version 0).
-**What a RaaS does with them today:** nothing useful -- serving adapters in vLLM is a later
-issue. Its weight sync downloads and verifies the version (checksums pass), then
-``engine.update_weights`` refuses the adapter names, which are not parameters of the base model
-(checked: vLLM's loader raises ``ValueError: There is no module or parameter named 'base_model'
-in Qwen3ForCausalLM``; the HF engine raises ``KeyError: unknown tensors``); the engine keeps its
-weights and version. So do not point a RaaS at a LoRA policy yet.
+If the HF module is a ``peft.PeftModel`` (e.g. ``M2POPolicy(lora={...})``), only the adapter
+tensors are published, named exactly as ``PeftModel.save_pretrained`` writes them
+(``peft.get_peft_model_state_dict``, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
+with ``metadata["adapter"] = {"type": "lora", "adapter_name", "peft_config"}`` in every manifest
+(full or bf16 delta, exactly as for full weights). The base weights never change, so receivers
+keep the base model from its folder (version 0). The RaaS weight sync hands such versions to the
+engine's ``update_adapter`` (``VLLMEngine(enable_lora=True)`` writes a PEFT folder and serves it
+under a new LoRA id, no restart). If the module's ``lora_publish`` is ``"merged"``
+(``lora: {publish: merged}``), the merged weights ``W + B @ A * scaling`` are published instead,
+under the base model's names and without adapter metadata: any engine loads them as usual.
 
 Extension points: :meth:`publish_state` (which tensors, under which names, on the training
 thread); with ``worker="thread"`` also :meth:`encode` (``version, tensors -> Artifact``) and
@@ -386,7 +385,8 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         aliases (the same storage under a second name, e.g. ``lm_head.weight`` tied to the
         embeddings) are dropped after the first name, as ``save_pretrained`` does; integer
         buffers are not weights and are never published. A peft model contributes only its
-        adapter tensors, named as its ``save_pretrained`` does.
+        adapter tensors, named as its ``save_pretrained`` does -- or, when the module's
+        ``lora_publish`` is ``"merged"``, the merged weights under the base model's names.
         """
         model = self.hf_model(pl_module)
         inner = _unwrap(model)
@@ -399,7 +399,11 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
             if not trainer.is_global_zero:
                 return None
             state = inner.state_dict()
-        if _is_peft(inner):
+        if _is_peft(inner) and getattr(pl_module, "lora_publish", None) == "merged":
+            from astralight.lora import merged_state_dict
+
+            state = merged_state_dict(inner, state)  # W + B @ A * scaling, under the base names
+        elif _is_peft(inner):
             from peft import get_peft_model_state_dict
 
             adapter = inner.active_adapter

@@ -85,6 +85,13 @@ class Engine(Protocol):
         ``changed``, e.g. whole fused modules) accepts ``update_weights(subset, version,
         partial=True)`` with exactly such a subset; the weight sync then sends only what changed.
         An engine without it always receives the whole state.
+
+        Optional LoRA adapters: an engine that also has
+        ``update_adapter(named_tensors, version, adapter)`` serves adapter versions (a policy
+        trained with ``lora: {publish: adapter}``): ``named_tensors`` are the adapter tensors
+        under PEFT names, ``adapter`` the manifest's ``metadata["adapter"]`` (its
+        ``peft_config``); generation then uses base weights + that adapter. The weight sync
+        hands adapter versions only to that method, never to ``update_weights``.
         """
         ...
 
@@ -133,6 +140,18 @@ class SerializedEngine:
     def update_weights(self, named_tensors: dict[str, Any], version: int, **kw: Any) -> None:
         with self.lock:
             self.inner.update_weights(named_tensors, version, **kw)
+
+    @property
+    def update_adapter(self):
+        """The wrapped engine's ``update_adapter`` under the lock; absent (AttributeError, so
+        ``hasattr`` tells) when the wrapped engine has none."""
+        load = self.inner.update_adapter
+
+        def locked(named_tensors: dict[str, Any], version: int, adapter: Any) -> None:
+            with self.lock:  # never in the middle of a generation, like update_weights
+                load(named_tensors, version, adapter)
+
+        return locked
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

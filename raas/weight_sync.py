@@ -35,6 +35,12 @@ engine holds. A refresh sends the tensors whose checksum differs, expanded by th
 version that stamps new tokens. This works across full versions too: a periodic full that changes
 5% of the tensors pushes 5%. When what the engine holds is unknown (the initial model, or a failed
 load) everything is sent.
+
+LoRA adapters. A version whose manifest carries ``metadata["adapter"]`` (a policy trained with
+``lora: {publish: adapter}``) holds adapter tensors under PEFT names, not base weights: it goes,
+whole, to the engine's ``update_adapter(tensors, version, adapter)`` (``VLLMEngine`` with
+``enable_lora``), never to ``update_weights``. An engine without that method fails the load with a
+message naming the fix, and keeps serving its current version.
 """
 
 from __future__ import annotations
@@ -303,9 +309,13 @@ class WeightSync:
                 return None
             table = state.manifest.tensors
             all_names = list(state.state)
+            adapter = (state.manifest.metadata or {}).get("adapter")  # a LoRA policy's version
             names, partial = all_names, False
             update_names = getattr(self.engine, "weight_update_names", None)
-            if self._engine_tensors is not None and update_names is not None:
+            if adapter is not None:  # adapters load whole (a few MiB): all tensors or none
+                if self._engine_tensors == table:
+                    names = []
+            elif self._engine_tensors is not None and update_names is not None:
                 changed = [n for n in all_names if self._engine_tensors.get(n) != table[n]]
                 names = list(update_names(changed, all_names))
                 partial = len(names) < len(all_names)
@@ -314,7 +324,9 @@ class WeightSync:
                 self.engine.version = int(version)
             else:
                 self._engine_tensors = None  # unknown until the load has succeeded
-                if partial:
+                if adapter is not None:
+                    self._load_adapter(state.tensors(names), version, adapter)
+                elif partial:
                     self.engine.update_weights(state.tensors(names), version, partial=True)
                 else:
                     self.engine.update_weights(state.tensors(names), version)
@@ -331,6 +343,18 @@ class WeightSync:
         log.info("%s: now on v%d (pushed %d of %d tensors, pause %.3f s)", self.model_id, version,
                  len(names), len(all_names), pause)
         return pause
+
+    def _load_adapter(self, tensors: dict[str, Any], version: int, adapter: Any) -> None:
+        """Hand a LoRA adapter version to the engine's adapter path (never to update_weights:
+        adapter tensors are not parameters of the base model)."""
+        load = getattr(self.engine, "update_adapter", None)
+        if load is None:
+            raise WeightSyncError(
+                f"{self.model_id}: v{version} is a LoRA adapter (manifest metadata.adapter) but "
+                f"the engine {type(self.engine).__name__} cannot serve adapters; start it with "
+                "enable_lora: true (VLLMEngine) or have the trainer publish merged weights "
+                "(model.init_args.lora.publish: merged)")
+        load(tensors, version, adapter)
 
     def refresh(self, force: bool = False) -> float | None:
         """Between cycles. Foreground mode: check (at most every check_interval_s) then load;

@@ -24,7 +24,8 @@ Face) names, so tests can check vLLM's weights bit for bit against the trainer's
 cast. On CPU, vLLM moves linear weights into a packed kernel layout and empties the parameter; the
 read-back then probes the layer's own kernel with identity rows (``x @ W^T`` with ``x = I`` is
 exact in bf16: every output is one product by 1.0 plus zeros; only the sign of a zero weight can be
-lost).
+lost). With LoRA enabled the base weights sit in each wrapped layer's ``base_layer`` and are read
+back under the wrapper's (checkpoint) name; adapters are not part of the read-back.
 
 This module imports nothing from vLLM at import time, so it is safe to import anywhere.
 """
@@ -100,6 +101,9 @@ class WeightReloadExtension:
                 params = dict(module.named_parameters(recurse=False))
                 if not params:
                     continue
+                # with enable_lora, vLLM wraps each adapted layer and keeps the weights in its
+                # ``base_layer``: the checkpoint name is the wrapper's
+                module_name = _strip_lora_wrapper(module_name)
                 leaf = module_name.rpartition(".")[2]
                 parent = module_name.rpartition(".")[0]
                 for pname, param in params.items():
@@ -119,6 +123,12 @@ class WeightReloadExtension:
                         if wanted is None or hf in wanted:
                             out[hf] = value.to(torch.bfloat16).contiguous().clone()
         return save(out)
+
+
+def _strip_lora_wrapper(module_name: str) -> str:
+    """``model.layers.0.self_attn.qkv_proj.base_layer`` -> ``model.layers.0.self_attn.qkv_proj``."""
+    parts = [p for p in module_name.split(".") if p != "base_layer"]
+    return ".".join(parts)
 
 
 def _effective(module, pname: str, param):
