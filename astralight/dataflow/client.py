@@ -279,9 +279,13 @@ class DataflowClient:
                 raise DataflowError(resp.status_code, resp.read().decode(errors="replace"))
             else:
                 mode = "ab" if resp.status_code == 206 else "wb"
+                progress = _DownloadProgress(f"{model_id} v{version} {name}",
+                                             int(info.get("bytes") or 0), have)
                 with open(part, mode) as f:
                     for chunk in resp.iter_bytes(1 << 20):
                         f.write(chunk)
+                        progress.add(len(chunk))
+                progress.done()
         digest = hashlib.sha256()
         with open(part, "rb") as f:
             while block := f.read(1 << 20):
@@ -299,6 +303,36 @@ class DataflowClient:
             raise DataflowError(404, f"{name!r} is not a file of {model_id} version {version}",
                                 field="name")
         return manifest.files[name]
+
+
+class _DownloadProgress:
+    """Progress of one streamed weight download, logged at most every ``every_s`` seconds (and
+    once at the end): a multi-GB full snapshot over a slow link takes minutes, and a silent RaaS
+    looks hung. Files smaller than ``min_bytes`` are not reported."""
+
+    def __init__(self, what: str, total: int, start: int = 0, every_s: float = 5.0,
+                 min_bytes: int = 64 << 20):
+        self.what, self.total, self.got, self.every_s = what, total, start, every_s
+        self.on = total >= min_bytes
+        self.t0 = self.last = time.monotonic()
+        self.start = start
+
+    def add(self, n: int) -> None:
+        self.got += n
+        now = time.monotonic()
+        if self.on and now - self.last >= self.every_s:
+            self.last = now
+            self._log(now)
+
+    def done(self) -> None:
+        if self.on:
+            self._log(time.monotonic())
+
+    def _log(self, now: float) -> None:
+        rate = (self.got - self.start) / max(now - self.t0, 1e-9) / 1e6
+        pct = 100.0 * self.got / self.total if self.total else 0.0
+        log.info("downloading %s: %.0f%% (%.0f of %.0f MB, %.1f MB/s)", self.what, pct,
+                 self.got / 1e6, self.total / 1e6, rate)
 
 
 class LazyDataflowClient:
