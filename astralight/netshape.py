@@ -17,6 +17,20 @@ control pushes back on the sender as a real link would. No packet loss, no reord
 The proxy runs on an asyncio loop: either in its own process (``main``), or in a daemon thread of
 the caller (``with ShapedProxy(...) as proxy:``, for tests and benchmarks). ``max_lifetime_s``
 stops it on its own, so a test that hangs cannot leave it running.
+
+Fault injection: :meth:`ShapedProxy.partition` cuts the link for a while (a network partition
+between a RaaS and the dataflow), in one of two ways a client sees differently:
+
+* ``refuse``: open connections are reset and new ones are reset as soon as they are accepted
+  (what a client sees when the far side is down or a firewall rejects): calls fail at once and
+  are retried;
+* ``drop``: every byte in either direction is held back (a link that drops every packet: TCP
+  keeps retransmitting, the client waits on its own timeout); new connections are accepted but
+  forward nothing. On :meth:`ShapedProxy.heal` the held bytes flow again, as TCP would deliver
+  them once the link returns before either side gave up.
+
+``--partition-at S --partition-s D [--partition-mode refuse|drop]`` does the same from the
+command line.
 """
 
 from __future__ import annotations
@@ -24,7 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -82,11 +99,28 @@ class LinkStats:
     connections: int = 0
     open_connections: int = 0
     errors: list[str] = field(default_factory=list)
+    partitions: int = 0
+    connections_reset: int = 0
 
     def as_dict(self) -> dict:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "connections": self.connections, "open_connections": self.open_connections,
-                "errors": len(self.errors)}
+                "errors": len(self.errors), "partitions": self.partitions,
+                "connections_reset": self.connections_reset}
+
+
+PARTITION_MODES = ("refuse", "drop")
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close a connection with a TCP reset (SO_LINGER 0), as a dead peer or a firewall would."""
+    sock = writer.get_extra_info("socket")
+    try:
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    writer.transport.abort()
 
 
 class ShapedProxy:
@@ -125,6 +159,10 @@ class ShapedProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
+        # partition: until when (time.monotonic(); 0 = healed, inf = until heal()) and how
+        self._partition_until = 0.0
+        self._partition_mode = "refuse"
+        self._pairs: set[tuple] = set()  # (client_w, target_w) of connections being forwarded
 
     # ------------------------------------------------------------------ asyncio API
 
@@ -167,7 +205,13 @@ class ShapedProxy:
         self.stats.open_connections += 1
         self._writers.add(client_w)
         target_w = None
+        pair = None
         try:
+            if self.partitioned and self._partition_mode == "refuse":
+                self.stats.connections_reset += 1
+                _reset(client_w)
+                return
+            await self._link_up()  # "drop": a new connection forwards nothing until healed
             try:
                 target_r, target_w = await asyncio.open_connection(*self.target)
             except OSError as exc:
@@ -175,6 +219,7 @@ class ShapedProxy:
                 return  # the client sees the connection closed, as with a refused connect
             self._writers.add(target_w)
             pair = (client_w, target_w)
+            self._pairs.add(pair)
             await asyncio.gather(
                 self._pump(client_r, target_w, self._up, "bytes_up", pair, self.transform_up),
                 self._pump(target_r, client_w, self._down, "bytes_down", pair, self.transform_down),
@@ -182,6 +227,7 @@ class ShapedProxy:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self._pairs.discard(pair)
             for w in (client_w, target_w):
                 if w is not None:
                     w.close()
@@ -234,6 +280,7 @@ class ShapedProxy:
                 if not data:
                     break
                 data = transform(data)
+                await self._link_up()  # "drop" partition: hold the bytes until healed
                 for i in range(0, len(data), bucket.burst):
                     piece = data[i:i + bucket.burst]
                     await bucket.consume(len(piece))
@@ -249,6 +296,44 @@ class ShapedProxy:
             await asyncio.gather(deliverer, return_exceptions=True)
 
     # ------------------------------------------------------------------ fault injection
+
+    @property
+    def partitioned(self) -> bool:
+        """Is the link cut right now (see :meth:`partition`)?"""
+        return time.monotonic() < self._partition_until
+
+    async def _link_up(self) -> None:
+        """Return when the link is not cut in ``drop`` mode (at once otherwise)."""
+        while self.partitioned and self._partition_mode == "drop":
+            await asyncio.sleep(min(0.05, max(0.0, self._partition_until - time.monotonic())))
+
+    def partition(self, seconds: float | None = None, mode: str = "refuse") -> None:
+        """Cut the link for ``seconds`` (None: until :meth:`heal`); thread-safe.
+
+        ``refuse``: reset every open connection now and every new one until healed; ``drop``:
+        forward nothing in either direction until healed (see the module docstring).
+        """
+        if mode not in PARTITION_MODES:
+            raise ValueError(f"mode: must be one of {PARTITION_MODES}, got {mode!r}")
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"seconds: must be > 0 (or None: until heal()), got {seconds}")
+        self._partition_mode = mode
+        self._partition_until = math.inf if seconds is None else time.monotonic() + seconds
+        self.stats.partitions += 1
+        if mode == "refuse" and self._loop is not None:
+            def cut() -> None:
+                for pair in list(self._pairs):
+                    for w in pair:
+                        _reset(w)
+                    self.stats.connections_reset += 1
+            if self._thread is not None and threading.current_thread() is not self._thread:
+                self._loop.call_soon_threadsafe(cut)
+            else:
+                cut()
+
+    def heal(self) -> None:
+        """End a partition now (thread-safe); held bytes flow again, new connections forward."""
+        self._partition_until = 0.0
 
     def transform_up(self, data: bytes) -> bytes:
         """Bytes read from the client, before they cross the link. Identity; a subclass may
@@ -326,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time in ms")
     p.add_argument("--burst-bytes", type=int, default=None, help="token bucket depth")
     p.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--partition-at", type=float, default=None, metavar="S",
+                   help="cut the link S seconds after start (fault injection)")
+    p.add_argument("--partition-s", type=float, default=10.0, metavar="D",
+                   help="how long the cut lasts (default 10)")
+    p.add_argument("--partition-mode", choices=PARTITION_MODES, default="refuse",
+                   help="refuse: reset connections; drop: forward nothing (default refuse)")
     args = p.parse_args(argv)
     try:
         proxy = ShapedProxy(args.target, mbit=args.mbit, rtt_ms=args.rtt_ms, up_mbit=args.up_mbit,
@@ -340,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(proxy.stop()))
+        if args.partition_at is not None:
+            def cut() -> None:
+                print(f"netshape: partition ({args.partition_mode}) for {args.partition_s:g}s",
+                      flush=True)
+                proxy.partition(args.partition_s, args.partition_mode)
+            loop.call_later(args.partition_at, cut)
         print(f"netshape listening on {proxy.describe()}", flush=True)
         await proxy.wait_stopped()
 

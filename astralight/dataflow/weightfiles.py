@@ -14,6 +14,7 @@ folder that :meth:`WeightFiles.purge_trash` removes at the next start.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -24,6 +25,15 @@ from typing import AsyncIterator
 from astralight.dataflow.errors import ServiceError
 
 _CHUNK = 1 << 20
+#: errors that mean "the volume is full" (no space, or the user's quota)
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _disk_full(root: Path, exc: OSError) -> ServiceError:
+    """507 Insufficient Storage naming the weight store, for an upload that hit a full disk."""
+    return ServiceError(507, "disk", f"weight store {root} is full ({exc.strerror}); the upload was "
+                                     "discarded: free space on that volume (or lower "
+                                     "weights_keep_s) and upload again")
 
 
 def check_file_name(name: str, field: str = "name") -> str:
@@ -59,12 +69,13 @@ class WeightFiles:
         """Stream ``chunks`` into a temp file next to the target; returns (temp, sha256, bytes).
 
         Raises ServiceError 413 (and removes the temp file) once more than ``limit`` bytes arrive.
+        A full volume (``ENOSPC``, ``EDQUOT``) raises ServiceError 507 naming the store.
         """
         final = self.path(model_id, version, name)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{name}.{uuid.uuid4().hex}.tmp"
         digest, size = hashlib.sha256(), 0
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 async for chunk in chunks:
                     size += len(chunk)
@@ -73,16 +84,27 @@ class WeightFiles:
                                                         f"{limit}; raise it in the dataflow config")
                     digest.update(chunk)
                     f.write(chunk)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in _FULL:
+                raise _disk_full(self.root, exc) from exc
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         return tmp, digest.hexdigest(), size
 
-    @staticmethod
-    def fsync(tmp: Path) -> None:
-        """Flush an uploaded temp file to disk (slow for big files: call it off the event loop)."""
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+    def fsync(self, tmp: Path) -> None:
+        """Flush an uploaded temp file to disk (slow for big files: call it off the event loop).
+        A full volume (some file systems report it only now) removes the file and raises 507."""
+        try:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if exc.errno in _FULL:
+                tmp.unlink(missing_ok=True)
+                raise _disk_full(self.root, exc) from exc
+            raise
 
     def commit(self, tmp: Path, model_id: str, version: int, name: str, sha256: str) -> None:
         """Atomically move an fsynced temp file into place (rename + directory fsync)."""
