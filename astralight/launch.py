@@ -553,9 +553,24 @@ def component_configs(recipe: dict, run_dir: Path, port: int) -> dict[str, dict]
     for i, raas_cfg in enumerate(recipe["raas"]):
         configs[f"raas-{i}"] = copy.deepcopy(raas_cfg)
     for i, trainer_cfg in enumerate(recipe["trainers"]):
-        model_id = ((trainer_cfg.get("model") or {}).get("init_args") or {}).get("model_id", str(i))
+        init_args = (trainer_cfg.get("model") or {}).get("init_args") or {}
+        model_id = init_args.get("model_id", str(i))
         configs[f"trainer-{model_id}"] = copy.deepcopy(trainer_cfg)
+        vocab = _vocab_size(init_args.get("model_path"))
+        if vocab is not None and model_id in dataflow_cfg.get("model_ids", ["policy"]):
+            dataflow_cfg.setdefault("vocab_sizes", {}).setdefault(model_id, vocab)
     return configs
+
+
+def _vocab_size(model_path: Any) -> int | None:
+    """The vocabulary size in ``model_path/config.json`` (None if there is no such file yet):
+    the dataflow refuses pushed token ids outside it (``vocab_sizes``)."""
+    try:
+        cfg = json.loads((Path(str(model_path)) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[Component]:

@@ -354,6 +354,7 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         self.replaced = 0
         self.skipped = 0
         self.errors = 0
+        self._refused: _Job | None = None  # the newest job whose publication failed
         self.last_error: str | None = None
         self.last_latency_s = 0.0
         self.last_bytes = 0
@@ -595,6 +596,8 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         with self._cv:
             self._force_full = True  # the builder's base may not be a published version
             self.errors += 1
+            if self._refused is None or job.version >= self._refused.version:
+                self._refused = job
             self.last_error = f"version {job.version}: {error}"
             self._unlogged.append({"step": job.step, **self._counters()})
 
@@ -646,6 +649,8 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
                   **record, "latency_s": time.perf_counter() - job.t_snap}
         with self._cv:
             self._force_full = False
+            if self._refused is not None and job.version >= self._refused.version:
+                self._refused = None
             self.last_published_version = job.version
             self.published_versions.append(job.version)
             self.last_latency_s = record["latency_s"]
@@ -757,8 +762,40 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._thread is not None:
+            self._publish_refused_last()
             self._shutdown(wait=True)
         self.log_published(trainer)
+
+    def _publish_refused_last(self) -> None:
+        """Before the trainer exits: a refused newest version (e.g. a full weight store) is
+        retried, in full, with backoff for up to ``flush_timeout_s``. Later versions normally
+        replace a refused one; the last has no later one, and leaving it unpublished would leave
+        the dataflow behind for good while the trainer exits 0. Raises if it still fails."""
+        self.flush(self.flush_timeout_s)
+        deadline = time.monotonic() + self.flush_timeout_s
+        delay = 1.0
+        while True:
+            with self._cv:
+                job = self._refused
+            if job is None or job.version <= self.last_published_version:
+                return
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(
+                    f"version {job.version} of {self.model_id!r} (the trainer's last) could not "
+                    f"be published within flush_timeout_s={self.flush_timeout_s:.0f}: "
+                    f"{self.last_error}; the trained weights are in the checkpoint")
+            log.warning("version %d of %r was refused (%s); retrying in %.0f s before the trainer "
+                        "exits", job.version, self.model_id, self.last_error, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+            with self._cv:
+                self._force_full = True
+                self._refused = None
+                self._builder = None  # it already counted the refused version as its last
+            if self.worker != "thread":
+                self._close_encoder(0)  # likewise the encoder's; a new one starts from a full
+            self._enqueue(job)
+            self.flush(max(deadline - time.monotonic(), 0.0))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

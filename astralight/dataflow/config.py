@@ -137,6 +137,9 @@ class DataflowConfig:
             which has its own seed.
         batch_ack_timeout_s: a served batch not acked within this goes back into its queue.
         max_samples_per_rollout: a push holds at most n * len(model_ids) * this many samples.
+        vocab_sizes: ``{model_id: vocabulary size}``; a pushed sample with a token id outside
+            ``[0, size)`` is refused (it would crash the trainer's embedding lookup). The
+            launcher fills it from each trainer's ``model_path/config.json``.
         max_pull_timeout_s: upper bound on one long-poll pull.
         log_level: Python logging level of the service.
         weights_gc: garbage-collect old weight versions. Per model_id the store keeps the latest
@@ -172,6 +175,7 @@ class DataflowConfig:
     seed: int = 0
     batch_ack_timeout_s: float = 600.0
     max_samples_per_rollout: int = 32  # multi-turn rollouts emit one sample per turn
+    vocab_sizes: dict[str, int] = field(default_factory=dict)
     max_pull_timeout_s: float = 300.0
     log_level: str = "INFO"
     weights_gc: bool = True
@@ -249,6 +253,11 @@ class DataflowConfig:
             raise ValueError("tls_certfile, tls_keyfile: set both (PEM certificate and its private "
                              f"key) or neither; got certfile={self.tls_certfile!r}, "
                              f"keyfile={self.tls_keyfile!r}")
+        for mid, size in self.vocab_sizes.items():
+            if mid not in self.model_ids:
+                raise ValueError(f"vocab_sizes: {mid!r} is not one of model_ids {self.model_ids}")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"vocab_sizes.{mid}: must be a positive int, got {size!r}")
         if self.max_clients_tracked < 1:
             raise ValueError(f"max_clients_tracked: must be >= 1, got {self.max_clients_tracked}")
         if not self.weights_keep_s >= 0:

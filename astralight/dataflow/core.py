@@ -658,6 +658,12 @@ class Dataflow:
                 raise ServiceError(422, f"samples[{i}].sample_index",
                                    f"sample_index {s.sample_index} of {s.model_id!r} repeats")
             seen.add(key)
+            vocab = self.config.vocab_sizes.get(s.model_id)
+            ids = s.token_ids
+            if ids.size and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
+                raise ServiceError(422, f"samples[{i}].token_ids",
+                                   f"token ids must lie in [0, {vocab if vocab else 'vocab'}) of "
+                                   f"{s.model_id!r}; got {int(ids.min())}..{int(ids.max())}")
             gen = s.versions[s.loss_mask.astype(bool)]
             if gen.size and int(gen.max()) > self.versions[s.model_id]:
                 raise ServiceError(422, f"samples[{i}].versions",
