@@ -118,11 +118,10 @@ def test_full_disk_under_the_weight_store(tmp_path, tiny_model_dir):
 
 
 def test_garbage_raas_is_refused_and_stores_nothing(tmp_path, tiny_model_dir):
-    # out-of-vocab tokens are accepted today (xfail below) and would crash the trainer; more
-    # versions than the others, since training goes on during the garbage and must still be
-    # running once it ends (recovery_s is measured from there)
+    # more versions than the others, since training goes on during the garbage and must still
+    # be running once it ends (recovery_s is measured from there)
     r = ran(run_scenario("garbage_raas", tmp_path, tiny_model_dir,
-                         settings(garbage_skip=("token_out_of_vocab",), versions=2 * VERSIONS)))
+                         settings(versions=2 * VERSIONS)))
     d = r["detail"]
     assert d["accepted_bad"] == [] and d["server_errors"] == [], d["cases"]
     assert all(400 <= st < 500 for st in d["cases"].values()), d["cases"]
