@@ -68,6 +68,9 @@ def toy_recipe(path: Path, versions: int, batch_size: int, port: int, raas_dataf
     trainer = recipe["trainers"][0]
     trainer["trainer"]["max_steps"] = versions
     trainer["data"]["init_args"]["batch_size"] = batch_size
+    for cb in trainer["trainer"].get("callbacks") or []:  # last.ckpt = the final weights
+        if cb.get("class_path", "").endswith("ModelCheckpoint"):
+            cb.setdefault("init_args", {})["every_n_train_steps"] = versions
     path.write_text(yaml.safe_dump(recipe))
     return path
 
