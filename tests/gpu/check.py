@@ -11,8 +11,11 @@ matter; vLLM accepts any id below the model's vocabulary). Per model, in a child
 
 1. ``build_model``: write the model folder (bf16 safetensors);
 2. ``dataflow_start``: ``astralight dataflow serve`` on 127.0.0.1 (the weight store's HTTP face);
-3. ``vllm_start``: :class:`astralight.raas.vllm_engine.VLLMEngine`, as ``astralight raas serve``
-   builds it (CUDA graphs on GPU unless ``--enforce-eager``);
+3. ``engine_start``: :class:`astralight.raas.vllm_engine.VLLMEngine`, as ``astralight raas serve``
+   builds it (CUDA graphs on GPU unless ``--enforce-eager``); where vLLM is not installed
+   (``--engine auto``), :class:`astralight.raas.hf_engine.HFEngine` (transformers, batched, KV
+   cache) instead, and the record says so (``engine``, ``engine_note``): training, publication,
+   download, verification and the in-place load are then checked, vLLM's CUDA path is not;
 4. ``generate``: one batch of ``prompts x group`` rollouts at temperature 1.0 -> **throughput**;
 5. ``train``: a Lightning ``Trainer.fit`` of :class:`astralight.policy.M2POPolicy` (the paper's
    A.7 settings: M2PO m2 0.01, KL 1e-3, AdamW 5e-6, wd 0.01, clip 1.0; bf16-mixed, FSDP on GPU)
@@ -25,7 +28,9 @@ matter; vLLM accepts any id below the model's vocabulary). Per model, in a child
    and loads it into the vLLM engine in place (``engine.update_weights`` through the worker
    extension, only the changed modules for a delta) -> **refresh pause** (the time the engine
    cannot generate), then checks a few tensors the engine holds against the published bits and
-   generates again.
+   generates again;
+6. ``lora_train`` (``--lora-steps``, default 2): M2PO steps on a peft LoRA adapter under the same
+   strategy (FSDP on GPU), publishing the adapter (full, then delta) -> the ``lora`` record.
 
 Prints ONE JSON line on stdout: the headline figures of the largest model that completed
 (``throughput_tokens_per_s``, ``refresh_pause_s`` (median delta refresh), ``refresh_full_pause_s``,
@@ -71,7 +76,9 @@ PROFILES = {
                 gpu_memory_utilization=None, gradient_checkpointing=False),
 }
 MODEL_ID = "policy"
-HEADLINE = ("throughput_tokens_per_s", "refresh_pause_s", "refresh_full_pause_s", "delta_sparsity",
+LORA_MODEL_ID = "policy_lora"  # the LoRA stage publishes adapters under a model id of its own
+LORA = dict(r=16, alpha=32.0, dropout=0.0, publish="adapter")
+HEADLINE = ("engine", "throughput_tokens_per_s", "refresh_pause_s", "refresh_full_pause_s", "delta_sparsity",
             "delta_compression", "steps_s", "timings")
 
 
@@ -125,7 +132,7 @@ def save_model_folder_tokenizer(path: Path, tokenizer) -> None:
 def start_dataflow(workdir: Path, timeout_s: float = 120.0):
     """``astralight dataflow serve`` on a free loopback port; returns (url, process)."""
     cfg = workdir / "dataflow.yaml"
-    cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "model_ids": [MODEL_ID],
+    cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "model_ids": [MODEL_ID, LORA_MODEL_ID],
                                "state_dir": str(workdir / "dataflow"), "log_level": "WARNING"}))
     log_path = workdir / "dataflow.log"
     env = {k: v for k, v in os.environ.items() if k != "ASTRALIGHT_TOKEN"}
@@ -253,21 +260,35 @@ def run_model(name: str, device: str, workdir: Path, rec: Recorder, args) -> Non
             url, dataflow = start_dataflow(workdir)
 
         from astralight.raas.engine import SamplingSpec
-        from astralight.raas.vllm_engine import VLLMEngine
 
         prompt_len, max_tokens, group = prof["prompt_len"], prof["max_tokens"], prof["group"]
-        with rec.stage("vllm_start"):
-            kw = dict(model_path=str(folder), dtype="bfloat16", seed=0,
-                      max_model_len=prompt_len + max_tokens + 8)
-            if device == "cuda":
-                kw["gpu_memory_utilization"] = prof["gpu_memory_utilization"]
-                if args.enforce_eager:
-                    kw["enforce_eager"] = True
+        kind, why = choose_engine(args.engine)
+        rec.data["engine"] = kind
+        if why:
+            rec.data["engine_note"] = why
+            say(f"{name}: {why}")
+        with rec.stage("engine_start"):
+            if kind == "vllm":
+                from astralight.raas.vllm_engine import VLLMEngine
+
+                kw = dict(model_path=str(folder), dtype="bfloat16", seed=0,
+                          max_model_len=prompt_len + max_tokens + 8)
+                if device == "cuda":
+                    kw["gpu_memory_utilization"] = prof["gpu_memory_utilization"]
+                    if args.enforce_eager:
+                        kw["enforce_eager"] = True
+                else:
+                    kw["kv_cache_memory_bytes"] = 256 << 20
+                engine = VLLMEngine(**kw)
+                rec.data["vllm_start_s"] = round(engine.start_s, 3)
+                rec.data["vllm_warmup_s"] = round(engine.warmup_s, 3)
             else:
-                kw["kv_cache_memory_bytes"] = 256 << 20
-            engine = VLLMEngine(**kw)
-            rec.data["vllm_start_s"] = round(engine.start_s, 3)
-            rec.data["vllm_warmup_s"] = round(engine.warmup_s, 3)
+                from astralight.raas.hf_engine import HFEngine
+
+                engine = HFEngine(str(folder), seed=0, max_model_len=prompt_len + max_tokens + 8,
+                                  device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                                  batch_size=args.hf_batch_size)
+                rec.data["hf_start_s"] = round(engine.start_s, 3)
 
         vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
         gen = torch.Generator().manual_seed(1)
@@ -377,6 +398,10 @@ def run_model(name: str, device: str, workdir: Path, rec: Recorder, args) -> Non
         rec.data["refresh_verified"] = bool(ok_refresh) and all(
             r.get("verified_tensors", 0) > 0 for r in ok_refresh)
         rec.data["ok"] = bool(deltas) and bool(delta_pauses)
+        rec.save()
+        if args.lora_steps > 0:
+            run_lora(folder, url, batches[:args.lora_steps], prof, device,
+                     rec.data["train_settings"], workdir, rec)
     except Exception as exc:  # noqa: BLE001 - the record says what failed and keeps the rest
         rec.data["error"] = f"{type(exc).__name__}: {exc}"
         rec.data["trace"] = traceback.format_exc()[-4000:]
@@ -397,6 +422,22 @@ def _round(x, n: int = 4):
     return None if x is None else round(float(x), n)
 
 
+def choose_engine(wanted: str) -> tuple[str, str | None]:
+    """``(kind, note)``: vLLM when asked for or installed; otherwise the transformers engine
+    (:class:`astralight.raas.hf_engine.HFEngine`, batched with a KV cache), with a note saying
+    why, so that a machine without vLLM still checks training, publication and the refresh."""
+    import importlib.util
+
+    if wanted == "hf":
+        return "hf", None
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm", None
+    if wanted == "vllm":
+        raise RuntimeError("--engine vllm: vLLM is not installed here (pip install 'astralight[vllm]')")
+    return "hf", ("vLLM is not installed here: rollouts and refreshes use the transformers engine "
+                  "(HFEngine); the throughput is not vLLM's")
+
+
 def verify_engine(engine, sync, limit: int = 3) -> int:
     """Compare a few tensors the engine computes with against the verified published bits
     (bit for bit); raise on a mismatch; return how many were compared."""
@@ -413,8 +454,47 @@ def verify_engine(engine, sync, limit: int = 3) -> int:
     return len(names)
 
 
+def run_lora(folder: Path, url: str, batches: list[dict], prof: dict, device: str,
+             settings: dict, workdir: Path, rec) -> None:
+    """The ``lora`` stage: M2PO steps on a peft LoRA adapter (:data:`LORA`, every linear layer
+    of the decoder) under the strategy the main stage trained with (FSDP on GPU), publishing
+    the adapter (version 1 full, then bf16 deltas). Each published manifest is read back from
+    the dataflow: adapter metadata present, only adapter tensors named. Recorded under
+    ``lora`` (``ok``, ``error``); it does not change the main record's ``ok``."""
+    from astralight.dataflow.client import DataflowClient
+
+    lora: dict = {"settings": settings, "config": LORA, "ok": False}
+    rec.data["lora"] = lora
+    client = DataflowClient(url, timeout=900.0)
+
+    def check_manifest(version: int) -> None:
+        manifest = client.manifest(LORA_MODEL_ID, version)
+        names = list(manifest.tensors)
+        adapter = (manifest.metadata or {}).get("adapter") or {}
+        if adapter.get("type") != "lora" or not names or not all(".lora_" in n for n in names):
+            raise RuntimeError(f"v{version} of {LORA_MODEL_ID} is not an adapter: "
+                               f"metadata {manifest.metadata!r}, tensors {names[:3]}")
+        lora.setdefault("manifests", []).append({"version": version, "tensors": len(names)})
+
+    try:
+        with rec.stage("lora_train"):
+            publisher, probe = fit(folder, url, batches, prof, device, settings, check_manifest,
+                                   workdir / "trainer_lora", model_id=LORA_MODEL_ID, lora=LORA)
+        records = [{**{k: _finite(v) for k, v in r.items()},
+                    "kind": "full" if r.get("kind") == 1.0 else "delta"} for r in publisher.history]
+        lora.update(published=records, steps_s=[round(x, 4) for x in probe.step_s],
+                    train_metrics=probe.metrics,
+                    ok=bool(records) and len(lora.get("manifests", [])) == len(batches))
+    except Exception as exc:  # noqa: BLE001 - recorded; the main figures stand
+        lora.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-4000:])
+        say(f"lora: FAILED: {lora['error']}")
+    finally:
+        client.close()
+        rec.save()
+
+
 def fit(folder: Path, url: str, batches: list[dict], prof: dict, device: str, settings: dict,
-        refresh, root: Path):
+        refresh, root: Path, model_id: str = MODEL_ID, lora: dict | None = None):
     """``Trainer.fit`` of M2POPolicy with the production WeightPublisher; after every step the
     probe waits for the publication and runs the RaaS refresh."""
     import lightning.pytorch as pl
@@ -456,12 +536,14 @@ def fit(folder: Path, url: str, batches: list[dict], prof: dict, device: str, se
                                 state_dict_type="sharded")
     publisher = WeightPublisher(dataflow_url=url, every_n_steps=1, full_every=10)
     probe = Probe(publisher)
-    module = M2POPolicy(model_path=str(folder), model_id=MODEL_ID, loss="m2po", m2_threshold=0.01,
+    module = M2POPolicy(model_path=str(folder), model_id=model_id, loss="m2po", m2_threshold=0.01,
                         kl_coef=settings["kl_coef"], lr=prof["lr"], weight_decay=0.01,
                         betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0,
                         normalize_advantages=True, temperature=1.0,
                         micro_batch_size=prof["micro_batch"],
-                        gradient_checkpointing=prof["gradient_checkpointing"])
+                        gradient_checkpointing=prof["gradient_checkpointing"], lora=lora)
+    if model_id != MODEL_ID:
+        batches = [{**b, "model_id": model_id} for b in batches]
     trainer = pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1,
                          strategy=strategy, precision=prof["precision"], max_steps=len(batches),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -527,6 +609,8 @@ def parent_main(args) -> int:
                    "--device", args.device, "--out", str(out)]
             if args.enforce_eager:
                 cmd.append("--enforce-eager")
+            cmd += ["--engine", args.engine, "--hf-batch-size", str(args.hf_batch_size),
+                    "--lora-steps", str(args.lora_steps)]
             if args.strategy:
                 cmd += ["--strategy", args.strategy]
             if args.workdir:
@@ -619,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer strategy (default: fsdp on cuda, auto on cpu)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="vLLM without CUDA graphs (faster start, lower throughput)")
+    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                   help="rollout engine: vLLM, or transformers' (HFEngine) where vLLM is not "
+                        "installed (auto: vLLM if importable)")
+    p.add_argument("--hf-batch-size", type=int, default=256,
+                   help="sequences per forward pass of the transformers engine")
+    p.add_argument("--lora-steps", type=int, default=2,
+                   help="M2PO steps of the LoRA stage (peft adapter, same strategy; 0: skip it)")
     p.add_argument("--workdir", default=None, help="where model folders and state go (default: /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the model folders, state and records")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -2,7 +2,8 @@
 
 ``tests/gpu/check.sh --device cpu --tiny`` runs what the GPU check runs (a real dataflow service,
 vLLM, Lightning M2PO steps with the production WeightPublisher, the RaaS WeightSync refresh into
-vLLM) with the tiny model on CPU, and prints one JSON line. The assertions are on its structure
+vLLM) with the tiny model on CPU, and prints one JSON line. ``--engine hf`` runs it with the
+transformers engine instead (what the check falls back to on a machine without vLLM). The assertions are on its structure
 and on values that hold on any machine (no timings are compared with anything).
 """
 
@@ -12,20 +13,24 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "check.sh"
-HEADLINE = ("throughput_tokens_per_s", "refresh_pause_s", "refresh_full_pause_s",
+HEADLINE = ("engine", "throughput_tokens_per_s", "refresh_pause_s", "refresh_full_pause_s",
             "delta_sparsity", "delta_compression", "steps_s", "timings")
-STAGES = ("build_model", "dataflow_start", "vllm_start", "generate", "train", "teardown")
+STAGES = ("build_model", "dataflow_start", "engine_start", "generate", "train", "teardown")
 
 
 def test_script_syntax():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
-def test_cpu_tiny_mode_reports_every_figure():
-    out = subprocess.run([str(SCRIPT), "--device", "cpu", "--tiny"], capture_output=True,
-                         text=True, timeout=400, cwd=ROOT)
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_cpu_tiny_mode_reports_every_figure(engine):
+    out = subprocess.run([str(SCRIPT), "--device", "cpu", "--tiny", "--engine", engine,
+                          "--hf-batch-size", "8"], capture_output=True, text=True, timeout=400,
+                         cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, f"expected one JSON line, got:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     report = json.loads(lines[0])
@@ -35,6 +40,7 @@ def test_cpu_tiny_mode_reports_every_figure():
     for key in HEADLINE:
         assert report[key] is not None, key
     assert report["model"] == "tiny" and report["device"] == "cpu"
+    assert report["engine"] == model["engine"] == engine
 
     # throughput: every rollout generated tokens
     assert report["throughput_tokens_per_s"] > 0
@@ -66,3 +72,12 @@ def test_cpu_tiny_mode_reports_every_figure():
     metrics = model["train_metrics"]
     assert {"train/m2_before", "train/masked_fraction", "train/kl_k3"} <= set(metrics)
     assert model["train_settings"] == {"strategy": "auto", "kl_coef": 0.001}
+
+    # the LoRA stage: adapter steps under the same strategy, version 1 full then a delta, each
+    # manifest read back naming adapter tensors only
+    lora = model["lora"]
+    assert lora["ok"] is True, (lora.get("error"), lora.get("trace"))
+    assert [p["kind"] for p in lora["published"]] == ["full", "delta"]
+    assert [m["version"] for m in lora["manifests"]] == [1, 2]
+    assert lora["published"][1]["bytes"] < lora["published"][0]["bytes"]
+    assert lora["published"][0]["bytes"] < published[0]["bytes"]  # an adapter, not the model
