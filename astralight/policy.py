@@ -412,12 +412,20 @@ class RLPolicy(pl.LightningModule):
     # ------------------------------------------------------------------ step
 
     def _backward(self, loss: Tensor, sync: bool) -> None:
+        """Backward of one micro-batch; under DDP the gradient all-reduce waits for the last.
+
+        Only a real ``DistributedDataParallel`` gets ``no_sync``. Lightning's check is duck-typed
+        and also matches FSDP, whose ``no_sync`` refuses to run inside its own forward -- where
+        Lightning runs ``training_step`` (forward redirection), so every FSDP step with
+        micro-batches failed ("expected to be in states [IDLE]", found by tests/gpu/check.py).
+        FSDP accumulates its sharded gradients across backward calls by itself.
+        """
         if self._trainer is None:
             loss.backward()
             return
         strategy = self.trainer.strategy
-        block = getattr(strategy, "block_backward_sync", None)
-        ctx = block() if (not sync and block is not None) else contextlib.nullcontext()
+        ddp = isinstance(getattr(strategy, "model", None), torch.nn.parallel.DistributedDataParallel)
+        ctx = strategy.block_backward_sync() if (not sync and ddp) else contextlib.nullcontext()
         with ctx:
             self.manual_backward(loss)
 

@@ -167,3 +167,35 @@ def test_collate_batch_layout(tiny_model_dir):
     assert out["wait_s"] == 1.5 and out["batch_id"] == batch.batch_id
     assert out["temperature"].tolist() == [1.0] * 4
     logging.getLogger(__name__).info("collated %s", {k: getattr(v, "shape", v) for k, v in out.items()})
+
+
+class _RefusesNoSync(torch.nn.Module):
+    """Stands in for FSDP's root: it has ``no_sync`` (so Lightning's duck-typed DDP check
+    matches it) and, like FSDP inside its own forward, refuses it."""
+
+    def no_sync(self):
+        raise AssertionError("no_sync called on a module that is not DistributedDataParallel")
+
+
+def test_micro_batches_never_ask_a_non_ddp_wrapper_for_no_sync(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies.parallel import ParallelStrategy
+
+    fake = FakeDataflowClient(tiny_model_dir)
+    batch = collate_batch(fake.make_batch(4))
+    policy = M2POPolicy(str(tiny_model_dir), micro_batch_size=2)
+    policy.configure_model()
+    backwards = []
+    strategy = SimpleNamespace(
+        model=_RefusesNoSync(),
+        block_backward_sync=lambda: ParallelStrategy.block_backward_sync(strategy),
+        backward=lambda loss, optimizer, *a, **k: (backwards.append(1), loss.backward()))
+    prepared = policy.prepare_batch(batch)
+    policy._trainer = SimpleNamespace(strategy=strategy, world_size=1)
+    try:
+        policy.accumulate_gradients(prepared)
+    finally:
+        policy._trainer = None
+    assert len(backwards) == 2  # one backward per micro-batch, none under no_sync
+    assert all(p.grad is not None for p in policy.model.parameters() if p.requires_grad)
