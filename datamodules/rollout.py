@@ -12,6 +12,13 @@ DataModule hands to Lightning therefore yields cheap :class:`PendingPull` placeh
 DataModule performs the HTTP pull in ``on_before_batch_transfer``, i.e. exactly when the loop is
 about to train that batch (after the previous step and its callbacks, weight publication
 included). Iterating :class:`RolloutStream` directly (``lazy=False``) pulls eagerly instead.
+
+Why a keep-alive (:class:`BatchKeepAlive`): the dataflow re-queues a batch not acknowledged within
+its ``batch_ack_timeout_s`` (a trainer that died never will), and may serve it again to the next
+pull. A live trainer whose step outlasts the timeout (long rollouts of a big model) would then ack
+late and train those samples twice. So while a pulled batch is outstanding (pulled, not yet
+acked) a daemon thread extends it every ``keepalive_interval_s`` (default: a third of the
+timeout, which the service sends with every pull); only a dead or frozen trainer loses its batch.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -31,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from astralight.dataflow.client import LazyDataflowClient
+from astralight.dataflow.client import DataflowClient, DataflowError, LazyDataflowClient
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +94,119 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID) -> dict
     }
 
 
+class BatchKeepAlive:
+    """Extends every batch this trainer holds (pulled, not yet acked) from a daemon thread.
+
+    :meth:`hold` a batch right after its pull, :meth:`release` it right before its ack (so an
+    extend racing the ack is not mistaken for a refusal), :meth:`close` at teardown. Every
+    ``interval_s`` the thread calls ``client.extend_batch`` for each held batch:
+
+    * 404/409 (unknown, already acked, or already re-queued because the trainer was frozen
+      longer than the timeout): the batch is dropped from the held set and a warning is logged
+      (once per process; the ack will say whether samples were trained twice);
+    * any other failure (connection refused, a restarting dataflow, a 5xx): counted, logged once
+      per run of failures, retried at the next tick. Nothing here ever raises into the step.
+
+    ``client_fn`` builds the client the thread uses (called in the thread, once; closed at
+    :meth:`close` if ``owns_client``); ``name`` says whose batches these are in log lines.
+    """
+
+    def __init__(self, client_fn: Callable[[], Any], interval_s: float, name: str = "trainer",
+                 owns_client: bool = True):
+        if not interval_s > 0:
+            raise ValueError(f"keepalive_interval_s: must be > 0 seconds, got {interval_s}")
+        self.client_fn = client_fn
+        self.owns_client = owns_client  # close the client at close()
+        self.interval_s = float(interval_s)
+        self.name = name
+        self.extended = 0  # successful extends
+        self.refused = 0  # batches the service would not extend (404/409)
+        self.errors = 0  # transient failures (retried)
+        self._held: dict[str, float] = {}  # batch_id -> when pulled (monotonic)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client = None
+        self._warned_refused = False
+        self._failing = False
+
+    @property
+    def held(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    def hold(self, batch_id: str) -> None:
+        with self._lock:
+            self._held[batch_id] = time.monotonic()
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"astralight-keepalive-{self.name}")
+                self._thread.start()
+
+    def release(self, batch_id: str) -> bool:
+        """Stop extending ``batch_id``; True if it was held."""
+        with self._lock:
+            return self._held.pop(batch_id, None) is not None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """Extend every held batch once (the thread's loop body; tests call it directly)."""
+        for batch_id in self.held:
+            if self._stop.is_set():
+                return
+            try:
+                if self._client is None:
+                    self._client = self.client_fn()
+                self._client.extend_batch(batch_id)
+            except DataflowError as exc:
+                if exc.status in (404, 409):
+                    self._refused(batch_id, exc)
+                else:
+                    self._transient(batch_id, exc)
+            except Exception as exc:  # never let the keep-alive thread die
+                self._transient(batch_id, exc)
+            else:
+                self.extended += 1
+                if self._failing:
+                    log.info("%s: batch keep-alive reaches the dataflow again", self.name)
+                    self._failing = False
+
+    def _refused(self, batch_id: str, exc: DataflowError) -> None:
+        if not self.release(batch_id):
+            return  # acked meanwhile: the 409 is about our own ack
+        self.refused += 1
+        if not self._warned_refused:
+            self._warned_refused = True
+            log.warning(
+                "%s: the dataflow refused to extend batch %s (%s). A batch is re-queued when it "
+                "is neither acked nor extended within batch_ack_timeout_s: this trainer was "
+                "frozen (stopped, swapped out) or cut off from the dataflow for longer than that, "
+                "and the batch's samples may be trained again by the next pull. (Logged once.)",
+                self.name, batch_id, exc.message)
+
+    def _transient(self, batch_id: str, exc: Exception) -> None:
+        self.errors += 1
+        if not self._failing:
+            self._failing = True
+            log.warning("%s: could not extend batch %s (%s: %s); retrying every %.1f s",
+                        self.name, batch_id, type(exc).__name__, exc, self.interval_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (an extend in flight finishes first) and close its client."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)
+        with self._lock:
+            self._held.clear()
+        if self._client is not None and self.owns_client and hasattr(self._client, "close"):
+            self._client.close()
+        self._client = None
+
+
 @dataclass(frozen=True)
 class PendingPull:
     """Placeholder yielded by a lazy stream; resolved into a batch by :meth:`RolloutStream.pull`."""
@@ -102,8 +223,10 @@ class RolloutStream(IterableDataset):
 
     def __init__(self, client_fn: Callable[[], Any], model_id: str, batch_size: int,
                  pull_timeout_s: float = 30.0, max_wait_s: float | None = None,
-                 trainer_id: str | None = None, lazy: bool = False, where: str = "dataflow"):
+                 trainer_id: str | None = None, lazy: bool = False, where: str = "dataflow",
+                 on_pull: Callable[[Any], None] | None = None):
         super().__init__()
+        self.on_pull = on_pull  # called with each protocol Batch as soon as it is pulled
         self.client_fn = client_fn
         self.model_id = model_id
         self.batch_size = batch_size
@@ -144,6 +267,8 @@ class RolloutStream(IterableDataset):
                     log.warning("batch %s has %d samples, asked for %d", batch.batch_id,
                                 len(batch.samples), self.batch_size)
                 self.pulled += 1
+                if self.on_pull is not None:
+                    self.on_pull(batch)
                 return collate_batch(batch, wait_s=now - start)
             waited = now - start
             if self.max_wait_s is not None and waited >= self.max_wait_s:
@@ -174,8 +299,15 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         max_wait_s: give up (``TimeoutError``) after waiting this long for one batch;
             ``None`` waits forever, logging a "waiting for samples" line every ~30 s.
         trainer_id: name this trainer gives the dataflow (default: host-pid-rank).
+        keepalive_interval_s: extend every pulled, not yet acknowledged batch this often
+            (:class:`BatchKeepAlive`), so a step longer than the dataflow's
+            ``batch_ack_timeout_s`` keeps its batch. ``None``: a third of that timeout (the
+            service sends it with every pull; a service too old to send it gets no keep-alive);
+            ``0``: off.
 
-    Tests may set :attr:`client` to any object with ``pull_batch``/``ack`` (and ``close``).
+    Tests may set :attr:`client` to any object with ``pull_batch``/``ack`` (and ``close``; with
+    ``extend_batch`` and a ``batch_ack_timeout_s`` attribute, or ``keepalive_interval_s``, it
+    is kept alive too).
     """
 
     def __init__(
@@ -187,10 +319,18 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         token: str | None = None,
         max_wait_s: float | None = None,
         trainer_id: str | None = None,
+        keepalive_interval_s: float | None = None,
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        if keepalive_interval_s is not None and not (math.isfinite(keepalive_interval_s)
+                                                     and keepalive_interval_s >= 0):
+            raise ValueError(f"keepalive_interval_s: must be >= 0 seconds (0: off, None: a third "
+                             f"of the dataflow's batch_ack_timeout_s), got {keepalive_interval_s}")
+        self.keepalive_interval_s = keepalive_interval_s
+        self._keepalive: BatchKeepAlive | None = None
+        self._keepalive_off_logged = False
         self.dataflow_url = dataflow_url
         self.model_id = model_id
         self.batch_size = batch_size
@@ -219,7 +359,49 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
     def stream(self, lazy: bool = True) -> RolloutStream:
         return RolloutStream(lambda: self.client, self.model_id, self.batch_size,
                              self.pull_timeout_s, self.max_wait_s, self._trainer_id(), lazy=lazy,
-                             where=self.dataflow_url)
+                             where=self.dataflow_url, on_pull=self._on_pull)
+
+    # ---------------------------------------------------------------- keep-alive
+
+    def _keepalive_interval(self) -> float | None:
+        if self.keepalive_interval_s is not None:
+            return self.keepalive_interval_s or None
+        timeout = getattr(self.client, "batch_ack_timeout_s", None)
+        if isinstance(timeout, (int, float)) and timeout > 0:
+            return timeout / 3.0
+        return None
+
+    def _keepalive_client(self, interval: float):
+        """The keep-alive thread's own client (one attempt per extend, short timeout: a failure
+        is retried at the next tick, never blocks the step), or a substituted client that can
+        extend, or None."""
+        client = self.client
+        if type(client) is DataflowClient:
+            return lambda: DataflowClient(client.url, token=self.token,
+                                          timeout=max(2.0, interval), retry_s=0.0), True
+        if hasattr(client, "extend_batch"):
+            return (lambda: client), False
+        return None
+
+    def _on_pull(self, batch: Any) -> None:
+        """A batch was pulled: keep it alive until :meth:`acknowledge`."""
+        interval = self._keepalive_interval()
+        made = self._keepalive_client(interval) if interval else None
+        if made is None:
+            if not self._keepalive_off_logged:
+                self._keepalive_off_logged = True
+                why = ("keepalive_interval_s=0" if self.keepalive_interval_s == 0 else
+                       "the client cannot extend batches" if interval else
+                       "the dataflow did not say its batch_ack_timeout_s (an older service)")
+                log.info("%s: batch keep-alive off (%s): a step longer than the dataflow's "
+                         "batch_ack_timeout_s loses its batch", self.model_id, why)
+            return
+        if self._keepalive is None:
+            client_fn, owns = made
+            self._keepalive = BatchKeepAlive(client_fn, interval, name=self._trainer_id(),
+                                             owns_client=owns)
+        self._keepalive.interval_s = interval  # follows the service's timeout after a restart
+        self._keepalive.hold(batch.batch_id)
 
     @property
     def n_pulled(self) -> int:
@@ -245,15 +427,32 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
     def acknowledge(self, batch_id: str, wait_s: float | None = None,
                     step_s: float | None = None) -> None:
         """Tell the dataflow this batch is trained (called by the module after its optimizer
-        step), with how long the trainer waited for it and how long the whole step took."""
+        step), with how long the trainer waited for it and how long the whole step took.
+
+        The keep-alive stops extending the batch first. A late ack (the dataflow had re-queued
+        the batch: this trainer was frozen longer than ``batch_ack_timeout_s``) is logged as a
+        warning when the dataflow says samples were trained twice."""
+        if self._keepalive is not None:
+            self._keepalive.release(batch_id)
         if wait_s is None or step_s is None:
-            self.client.ack(batch_id)
+            answer = self.client.ack(batch_id)
         else:
-            self.client.ack(batch_id, wait_s=wait_s, step_s=step_s)
+            answer = self.client.ack(batch_id, wait_s=wait_s, step_s=step_s)
         self.acknowledged.append(batch_id)
         self.n_acknowledged += 1
+        if isinstance(answer, dict) and answer.get("late"):
+            if answer.get("warning"):
+                log.warning("%s: %s", self.model_id, answer["warning"])
+            else:
+                log.warning("%s: batch %s was acked after the dataflow had re-queued it (this "
+                            "trainer was frozen longer than batch_ack_timeout_s); its %s samples "
+                            "were still queued and are taken back", self.model_id, batch_id,
+                            answer.get("taken_back"))
 
     def teardown(self, stage: str) -> None:
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
         self.close_client()
         if self._stream is not None:
             self._pulled_before += self._stream.pulled
@@ -289,4 +488,4 @@ def _identity(x: Any) -> Any:
     return x
 
 
-__all__ = ["RolloutDataModule", "RolloutStream", "PendingPull", "collate_batch"]
+__all__ = ["RolloutDataModule", "RolloutStream", "PendingPull", "BatchKeepAlive", "collate_batch"]

@@ -52,6 +52,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from astralight.dataflow.client import ACK_TIMEOUT_HEADER  # the pull's batch_ack_timeout_s
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
@@ -613,7 +614,10 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
                 await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
             except asyncio.TimeoutError:
                 pass
-        return Response(await run_in_threadpool(encode, batch), media_type=MSGPACK)
+        # the ack timeout travels as a header (old clients ignore it): the trainer extends every
+        # batch it holds well within it (POST /v1/batches/extend)
+        return Response(await run_in_threadpool(encode, batch), media_type=MSGPACK,
+                        headers={ACK_TIMEOUT_HEADER: f"{config.batch_ack_timeout_s:g}"})
 
     def _ack(data: bytes) -> dict:
         msg = decode_map(data, limit, ("batch_id", "wait_s", "step_s"))
@@ -626,6 +630,14 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     @app.post("/v1/ack")
     async def ack(request: Request):
         return msgpack_response(await run_in_threadpool(_ack, await read_body(request, limit)))
+
+    def _extend(data: bytes) -> dict:
+        return core.extend_batch(id_field(decode_map(data, limit, ("batch_id",)), "batch_id"))
+
+    @app.post("/v1/batches/extend")
+    async def extend_batch(request: Request):
+        """Keep-alive of a served batch: its ack deadline moves to now + batch_ack_timeout_s."""
+        return msgpack_response(await run_in_threadpool(_extend, await read_body(request, limit)))
 
     # -- versions and weights -----------------------------------------------
 

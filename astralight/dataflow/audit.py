@@ -18,13 +18,15 @@ The states it reads (``store.SCHEMA``, ``core.Dataflow``):
   an older round). A pull moves ``queued`` -> ``served`` (``batch_id`` set); a version publication
   or a pull moves ``queued`` -> ``stale`` (too old); an ack moves the batch's ``served``/``queued``
   rows -> ``acked``; an ack timeout moves ``served`` -> ``queued`` (``batch_id`` kept).
-* ``batches.state``: ``served`` -> ``acked``, or ``served`` -> ``requeued`` (and a late ack of a
-  requeued batch -> ``acked``). ``batches.n`` is the number of samples the trainer received:
-  fresh ones (their ``batch_id``) plus replayed ones (table ``replays``).
+* ``batches.state``: ``served`` -> ``acked``, or ``served`` -> ``requeued`` (neither acked nor
+  extended by a keep-alive within ``batch_ack_timeout_s``; a late ack of a requeued batch ->
+  ``acked``). ``batches.n`` is the number of samples the trainer received: fresh ones (their
+  ``batch_id``) plus replayed ones (table ``replays``).
 * ``counters``: bumped in the same transactions, so they are a second ledger:
   ``rollouts_generated`` (every stored sample), ``samples_accepted``, ``samples_filtered``,
   ``stale_dropped``, ``samples_acked``, ``samples_trained`` (acked fresh + replayed),
-  ``tasks_issued`` (first leases).
+  ``tasks_issued`` (first leases), ``samples_trained_twice`` (what late acks of re-served batches
+  trained a second time, counted by the ack that made them duplicates).
 
 Definitions (what :func:`audit` returns):
 
@@ -44,7 +46,11 @@ Definitions (what :func:`audit` returns):
   for each acked batch, ``n`` minus its rows still carrying its ``batch_id`` minus its replays. A
   sample leaves a batch's ``batch_id`` only by an ack timeout and a new serve; if that first batch
   was acked anyway (late), the trainer saw the sample in both. The same (task_id, model_id,
-  sample_index) cannot be stored twice (UNIQUE), and a second push of a task is ignored.
+  sample_index) cannot be stored twice (UNIQUE), and a second push of a task is ignored. With the
+  trainers' keep-alive this needs a trainer frozen (SIGSTOP, swapped out) longer than
+  ``batch_ack_timeout_s``; the service counts each such duplicate when the late ack arrives
+  (``samples_trained_twice``, reported as ``duplicates_counted``), and any duplicate it did not
+  count is a mismatch.
 * ``samples_accepted``: the ``samples_accepted`` counters; ``samples_trained``: acked rows
   (distinct fresh samples trained); ``samples_filtered`` / ``samples_stale`` / ``samples_pending``
   (queued or served): rows by state.
@@ -199,7 +205,9 @@ def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
                   ("stale_dropped", ctr(m, "stale_dropped"), st["stale"], "stale rows"),
                   ("samples_acked", ctr(m, "samples_acked"), st["acked"], "acked rows"),
                   ("samples_trained", ctr(m, "samples_trained"), st["acked"] + acked_replays[m],
-                   "acked rows + acked replays"))
+                   "acked rows + acked replays"),
+                  ("samples_trained_twice", ctr(m, "samples_trained_twice"), duplicates[m],
+                   "duplicates found in acked batches"))
         for name, counted, found, what in checks:
             if counted != found:
                 mismatches.append(f"{m}: counter {name}={counted} but {what}={found}")
@@ -240,6 +248,9 @@ def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
         "samples_lost_by_model": {m: k for m, k in lost_by_model.items() if k},
         "samples_stranded": sum(stranded.values()),
         "duplicates_trained": dup,
+        "duplicates_counted": sum(ctr(m, "samples_trained_twice") for m in model_ids),
+        "late_acks": sum(ctr(m, "late_acks") for m in model_ids),
+        "late_acks_after_reserve": sum(ctr(m, "late_acks_after_reserve") for m in model_ids),
         "batches": dict(batch_states),
         "mismatches": mismatches,
         "balanced": not lost_tasks and samples_lost == 0 and dup == 0 and not mismatches,
@@ -260,7 +271,8 @@ def format_report(report: dict) -> str:
         f"{report['samples_filtered']}, stale {report['samples_stale']}, pending "
         f"{report['samples_pending']}",
         f"samples lost: {report['samples_lost']}, duplicates trained: "
-        f"{report['duplicates_trained']}",
+        f"{report['duplicates_trained']} ({report.get('duplicates_counted', 0)} counted by "
+        f"{report.get('late_acks_after_reserve', 0)} late acks of re-served batches)",
     ]
     lines += [f"mismatch: {m}" for m in report["mismatches"]]
     return "\n".join(lines)

@@ -25,6 +25,8 @@ import httpx
 from astralight.protocol import Batch, Task, WeightManifest, decode, encode, expect
 
 MSGPACK = "application/msgpack"
+#: response header of /v1/pull carrying the service's batch_ack_timeout_s
+ACK_TIMEOUT_HEADER = "X-Batch-Ack-Timeout-S"
 log = logging.getLogger(__name__)
 
 
@@ -85,7 +87,8 @@ class DataflowClient:
     """The one way components talk to the dataflow service (msgpack over HTTP).
 
     RaaS: register, heartbeat, lease, push, return_tasks, deregister (and drain, for operators and
-    the autoscaler). Trainers: pull_batch, ack, upload_weight_file, publish.
+    the autoscaler). Trainers: pull_batch, extend_batch (keep-alive), ack, upload_weight_file,
+    publish.
     Everyone: info, stats, eval_results, current_version, manifests and weight downloads.
     Connection failures are retried with backoff for ``retry_s`` (a restarting service is waited
     for); an HTTP error answer raises :class:`DataflowError` with the server's message and field.
@@ -101,6 +104,8 @@ class DataflowClient:
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   verify=tls_verify(ca_file, verify))
         self._manifests: dict[tuple[str, int], WeightManifest] = {}  # versions are immutable
+        #: the service's batch_ack_timeout_s as its last pull answer said (None: not yet known)
+        self.batch_ack_timeout_s: float | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -233,19 +238,41 @@ class DataflowClient:
 
     def pull_batch(self, model_id: str, size: int, timeout_s: float = 30.0,
                    trainer_id: str | None = None) -> Batch | None:
+        """Long-poll for a batch of exactly ``size`` samples (None if none came in time). The
+        service's ``batch_ack_timeout_s`` (a response header; None from a service too old to
+        send it) is kept in :attr:`batch_ack_timeout_s`: ack or extend a batch within it."""
         timeout_s = max(0.0, float(timeout_s))  # the service refuses negative timeouts
-        out = self._call("POST", "/v1/pull", {"model_id": model_id, "size": size,
-                                              "timeout_s": timeout_s, "trainer_id": trainer_id},
-                         timeout=max(self.timeout, timeout_s + 30.0))
+        resp = self._send("POST", "/v1/pull", body={"model_id": model_id, "size": size,
+                                                    "timeout_s": timeout_s,
+                                                    "trainer_id": trainer_id},
+                          timeout=max(self.timeout, timeout_s + 30.0))
+        header = resp.headers.get(ACK_TIMEOUT_HEADER)
+        if header is not None:
+            try:
+                self.batch_ack_timeout_s = float(header)
+            except ValueError:
+                log.warning("ignoring a malformed %s header: %r", ACK_TIMEOUT_HEADER, header[:64])
+        out = decode(resp.content)
         return None if out is None else expect(out, Batch, "batch")
 
-    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> None:
+    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> dict:
         """Acknowledge a trained batch; a trainer also reports how long it waited for the batch
-        and its whole step took (the balance report's trainer wait fraction)."""
+        and its whole step took (the balance report's trainer wait fraction).
+
+        Returns the service's answer: ``{acked, already, samples, ...}``; for a batch the
+        service had re-queued (a late ack) also ``late``, ``taken_back``, ``trained_twice`` and,
+        when samples were trained twice, a ``warning`` to log."""
         body: dict = {"batch_id": batch_id}
         if wait_s is not None and step_s is not None:
             body.update(wait_s=float(wait_s), step_s=float(step_s))
-        self._call("POST", "/v1/ack", body)
+        return self._call("POST", "/v1/ack", body)
+
+    def extend_batch(self, batch_id: str) -> dict:
+        """Keep a pulled, not yet acknowledged batch from being re-queued: its ack deadline moves
+        to now + ``batch_ack_timeout_s``. Returns ``{batch_id, extended, deadline_s,
+        batch_ack_timeout_s}``; raises :class:`DataflowError` 404 (unknown batch) or 409 (already
+        acked, or already re-queued: stop extending it)."""
+        return self._call("POST", "/v1/batches/extend", {"batch_id": batch_id})
 
     # ------------------------------------------------------------------ versions and weights
 

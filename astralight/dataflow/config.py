@@ -135,7 +135,11 @@ class DataflowConfig:
         seed: seeds every data plugin's random generator (each plugin gets its own stream,
             derived from this seed and its place in the config); prompts come from the source,
             which has its own seed.
-        batch_ack_timeout_s: a served batch not acked within this goes back into its queue.
+        batch_ack_timeout_s: a served batch neither acked nor extended (``POST
+            /v1/batches/extend``) within this goes back into its queue and may be served again.
+            Sent to trainers with every pull; the datamodule extends each batch it holds every
+            third of it, so a long step keeps its batch and only a dead or frozen trainer (or
+            one cut off from the dataflow) loses it.
         max_samples_per_rollout: a push holds at most n * len(model_ids) * this many samples.
         vocab_sizes: ``{model_id: vocabulary size}``; a pushed sample with a token id outside
             ``[0, size)`` is refused (it would crash the trainer's embedding lookup). The

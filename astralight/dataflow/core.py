@@ -54,7 +54,11 @@ COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_r
             # trainer timings reported with acks (balance report)
             "trainer_wait_ms", "trainer_step_ms", "trainer_steps_timed",
             # pool membership: tasks a RaaS handed back; lease->push time of finished eval tasks
-            "tasks_returned", "eval_task_ms")
+            "tasks_returned", "eval_task_ms",
+            # batch keep-alives; acks of batches already re-queued (a trainer frozen past
+            # batch_ack_timeout_s), those whose samples had been served again meanwhile, and
+            # the samples those trained a second time (what the audit reports as duplicates)
+            "batches_extended", "late_acks", "late_acks_after_reserve", "samples_trained_twice")
 #: the generic curator safety valve never scans more than this many prompts for one task
 MAX_CURATOR_SKIPS = 10_000
 
@@ -284,6 +288,7 @@ class Dataflow:
                 "data_plugins": {name: type(p).__name__ for name, p in self.named_plugins().items()},
                 "replay": {"ratio": cfg.replay.ratio, "max_staleness": cfg.replay.max_staleness,
                            "pool_size": cfg.replay.pool_size, "max_uses": cfg.replay.max_uses},
+                "batch_ack_timeout_s": cfg.batch_ack_timeout_s,
                 "max_body_bytes": cfg.max_body_bytes,
                 "max_weight_file_bytes": cfg.max_weight_file_bytes,
                 "eval": {"enabled": self.eval_source is not None, "every": cfg.eval.every,
@@ -757,10 +762,18 @@ class Dataflow:
                      len(dropped), model_id, self.versions[model_id], self.config.max_staleness)
 
     def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> dict:
-        """Mark a batch trained. A late ack of a re-queued batch also removes its samples that
-        are still waiting in the queue (they were trained after all). ``wait_s`` / ``step_s``:
-        the trainer's wait for this batch and its whole step, counted (in ms) at the current
-        version for the balance report."""
+        """Mark a batch trained. ``wait_s`` / ``step_s``: the trainer's wait for this batch and
+        its whole step, counted (in ms) at the current version for the balance report.
+
+        A **late ack** (the batch was re-queued: neither acked nor extended within
+        ``batch_ack_timeout_s``, which with the datamodule's keep-alive means the trainer was
+        frozen, e.g. SIGSTOPped or swapped out, longer than that) is still accepted: the trainer
+        did train the batch. Its samples still waiting in the queue are taken back (acked here,
+        never served again). Those already served again in another batch cannot be un-trained:
+        they are counted (``late_acks_after_reserve``, ``samples_trained_twice``: the audit's
+        ``duplicates_trained`` must equal the latter), logged, and the answer says so
+        (``trained_twice``, ``warning``) for the trainer to log.
+        """
         with self.lock:
             row = self.store.batch(batch_id)
             if row is None:
@@ -768,8 +781,12 @@ class Dataflow:
             if row["state"] == "acked":
                 return {"acked": True, "already": True}
             mid = row["model_id"]
+            late = row["state"] == "requeued"
             rows = self.store.batch_samples(batch_id, ("served", "queued"))
             ids = [r["id"] for r in rows]
+            # a re-serve is the only way a sample leaves this batch's id (stale drops keep it)
+            twice = max(0, row["n"] - self.store.batch_member_count(batch_id)
+                        - self.store.replay_count(batch_id)) if late else 0
             with self.store.tx():
                 self.store.set_sample_state(ids, "acked")
                 self.store.set_batch_state(batch_id, "acked", time.time())
@@ -777,6 +794,11 @@ class Dataflow:
                 self._bump(mid, "samples_acked", len(ids))
                 self._bump(mid, "samples_trained", len(ids) + n_replayed)
                 self._bump(mid, "batches_acked")
+                if late:
+                    self._bump(mid, "late_acks")
+                if twice:
+                    self._bump(mid, "late_acks_after_reserve")
+                    self._bump(mid, "samples_trained_twice", twice)
                 if wait_s is not None and step_s is not None and mid in self.queues:
                     self._bump(mid, "trainer_wait_ms", round(1000 * wait_s))
                     self._bump(mid, "trainer_step_ms", round(1000 * step_s))
@@ -784,8 +806,56 @@ class Dataflow:
                 evicted = self._add_to_replay_pool(mid, rows) if mid in self.queues else []
             if mid in self.queues:
                 self.queues[mid].remove([r["id"] for r in rows if r["state"] == "queued"])
-            return {"acked": True, "already": False, "samples": len(ids) + n_replayed,
-                    "replay_evicted": len(evicted)}
+            out = {"acked": True, "already": False, "samples": len(ids) + n_replayed,
+                   "replay_evicted": len(evicted)}
+            if late:
+                out.update(late=True, taken_back=sum(r["state"] == "queued" for r in rows),
+                           trained_twice=twice)
+                if twice:
+                    out["warning"] = (
+                        f"batch {batch_id} was acked after batch_ack_timeout_s="
+                        f"{self.config.batch_ack_timeout_s:g} s had re-queued it, and {twice} of "
+                        f"its {row['n']} samples had meanwhile been served again in another batch:"
+                        " they are trained twice (counted as samples_trained_twice). Was the "
+                        "trainer frozen? Its keep-alive extends a batch while the trainer lives.")
+                    log.warning("late ack of batch %s of %s (trainer %s): %d of its %d samples had "
+                                "been served again in another batch and are trained twice",
+                                batch_id, mid, row["trainer_id"], twice, row["n"])
+                else:
+                    log.warning("late ack of re-queued batch %s of %s (trainer %s): its %d "
+                                "samples were still queued and are taken back", batch_id, mid,
+                                row["trainer_id"], len(ids))
+            return out
+
+    def extend_batch(self, batch_id: str, now: float | None = None) -> dict:
+        """Keep-alive of a served batch: its ack timeout counts again from ``now`` (durable).
+
+        A trainer extends every batch it holds, pulled and not yet acked, every
+        ``batch_ack_timeout_s / 3`` (the datamodule does, from a timer thread), so a live
+        trainer whose step outlasts the timeout keeps its batch; only a dead or frozen one loses
+        it. 404 for an unknown batch; 409 for one already acked or already re-queued (the
+        trainer should stop extending it: re-queued samples may be served again).
+        """
+        now = time.time() if now is None else now
+        timeout = self.config.batch_ack_timeout_s
+        with self.lock:
+            row = self.store.batch(batch_id)
+            if row is None:
+                raise ServiceError(404, "batch_id", f"unknown batch {batch_id!r}")
+            if row["state"] == "acked":
+                raise ServiceError(409, "batch_id", f"batch {batch_id} is already acknowledged; "
+                                                    "there is nothing to keep alive")
+            if row["state"] != "served":
+                raise ServiceError(409, "batch_id", (
+                    f"batch {batch_id} was re-queued: it was neither acked nor extended within "
+                    f"batch_ack_timeout_s={timeout:g} s (was the trainer frozen?), so its samples "
+                    "may be served again; it can no longer be extended. Ack it once trained "
+                    "(the ack reports samples trained twice)"))
+            with self.store.tx():
+                self.store.renew_batch(batch_id, now)
+                self._bump(row["model_id"], "batches_extended")
+        return {"batch_id": batch_id, "extended": True, "deadline_s": timeout,
+                "batch_ack_timeout_s": timeout}
 
     def _add_to_replay_pool(self, model_id: str, rows) -> list[ReplayEntry]:
         """Inside the ack's transaction: trained fresh samples become replayable (counted);
@@ -812,7 +882,7 @@ class Dataflow:
         The timeout counts from when the service could last take the ack: a batch served before
         a restart gets a whole ``batch_ack_timeout_s`` after the restart, so a trainer that kept
         training it while the service was down can still ack it instead of the samples being
-        served (and trained) a second time.
+        served (and trained) a second time. A keep-alive (:meth:`extend_batch`) restarts it too.
         """
         now = time.time() if now is None else now
         woken: set[str] = set()

@@ -1,11 +1,12 @@
 """Durable state of the dataflow service: one SQLite file in WAL mode.
 
 Everything that must survive ``kill -9`` lives here: tasks and their leases, accepted samples (the
-msgpack-encoded :class:`Sample`), served batches until acknowledged, published versions and their
-manifests and publication times, eval reports, counters, the prompt-source cursor,
-registered instances (their capacity, state and health counters), the data plugins' state
-snapshots and the curator journal (what the curators learned since the last snapshot). The
-in-memory fresh queues are a cache rebuilt from the ``samples`` table on start.
+msgpack-encoded :class:`Sample`), served batches until acknowledged (with their last keep-alive,
+``renewed_at``), published versions and their manifests and publication times, eval reports,
+counters, the prompt-source cursor, registered instances (their capacity, state and health
+counters), the data plugins' state snapshots and the curator journal (what the curators learned
+since the last snapshot). The in-memory fresh queues are a cache rebuilt from the ``samples``
+table on start.
 
 ``synchronous=FULL`` makes every commit fsync the WAL, so a push is answered only once its samples
 are on disk. The store is not thread-safe on its own: the service core serialises all access with
@@ -49,7 +50,7 @@ CREATE INDEX IF NOT EXISTS samples_batch ON samples(batch_id);
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, trainer_id TEXT,
     policy_version INTEGER NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL,
-    served_at REAL NOT NULL, acked_at REAL);
+    served_at REAL NOT NULL, acked_at REAL, renewed_at REAL);
 CREATE INDEX IF NOT EXISTS batches_state ON batches(state, served_at);
 CREATE TABLE IF NOT EXISTS versions (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, manifest BLOB NOT NULL,
@@ -97,6 +98,8 @@ MIGRATIONS = {
                   ("tasks_timed", "INTEGER NOT NULL DEFAULT 0"),
                   ("reported_in_flight", "INTEGER")],
     "tasks": [("leased_at", "REAL")],
+    # last keep-alive of a served batch (POST /v1/batches/extend); NULL: never extended
+    "batches": [("renewed_at", "REAL")],
 }
 
 
@@ -392,6 +395,11 @@ class Store:
         return self.conn.execute("UPDATE replays SET state=? WHERE batch_id=?",
                                  (state, batch_id)).rowcount
 
+    def replay_count(self, batch_id: str) -> int:
+        """Replayed samples a batch carried (whatever their state now)."""
+        return self.conn.execute("SELECT COUNT(*) FROM replays WHERE batch_id=?",
+                                 (batch_id,)).fetchone()[0]
+
     def queued_samples(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT id, model_id, min_version, blob FROM samples"
                                  " WHERE state='queued' ORDER BY id").fetchall()
@@ -422,8 +430,21 @@ class Store:
                           " WHERE batch_id=?", (state, now, batch_id))
 
     def batches_served_before(self, cutoff: float) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM batches WHERE state='served' AND served_at<?"
-                                 " ORDER BY served_at", (cutoff,)).fetchall()
+        """Outstanding batches neither served nor extended since ``cutoff`` (ack overdue)."""
+        return self.conn.execute("SELECT * FROM batches WHERE state='served' AND"
+                                 " COALESCE(renewed_at, served_at)<? ORDER BY served_at",
+                                 (cutoff,)).fetchall()
+
+    def renew_batch(self, batch_id: str, now: float) -> None:
+        """A keep-alive: the batch's ack timeout counts from ``now`` (inside the caller's tx)."""
+        self.conn.execute("UPDATE batches SET renewed_at=MAX(COALESCE(renewed_at, 0), ?)"
+                          " WHERE batch_id=?", (now, batch_id))
+
+    def batch_member_count(self, batch_id: str) -> int:
+        """Fresh samples still carrying ``batch_id`` in any state (a re-serve moves a sample to
+        its new batch's id; a stale drop or an ack keeps it)."""
+        return self.conn.execute("SELECT COUNT(*) FROM samples WHERE batch_id=?",
+                                 (batch_id,)).fetchone()[0]
 
     def outstanding_batches(self) -> dict[str, int]:
         rows = self.conn.execute("SELECT model_id, COUNT(*) FROM batches WHERE state='served'"

@@ -140,6 +140,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "/v1/push": {"instance_id": "str", "task_id": "str", "samples": "list"},
     "/v1/pull": {"model_id": "str", "size": "int", "timeout_s": "num", "trainer_id": "str"},
     "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num"},
+    "/v1/batches/extend": {"batch_id": "str"},
 }
 BODY_ROUTES = list(SCHEMAS) + ["/v1/publish"]
 
@@ -157,6 +158,7 @@ def base_body(ctx: Context, path: str) -> dict:
         "/v1/push": push_env(ctx, valid_group(ctx))["body"],
         "/v1/pull": {"model_id": ctx.model_id, "size": 1, "timeout_s": 0.0, "trainer_id": "t"},
         "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2},
+        "/v1/batches/extend": {"batch_id": "no-such-batch"},
         "/v1/publish": raw(manifest(ctx, ctx.version + 1))["body"],
     }[path]
 
@@ -594,6 +596,7 @@ def gen_auth(rng: random.Random, ctx: Context) -> BadRequest:
         ("PUT", f"/v1/weights/{ctx.model_id}/{ctx.version + 1}/x.bin", b"w"),
         ("POST", "/v1/lease", encode({"instance_id": ctx.instance_id, "max_tasks": 1})),
         ("POST", "/v1/register", encode({"model_ids": [ctx.model_id], "capacity": 1})),
+        ("POST", "/v1/batches/extend", encode({"batch_id": "no-such-batch"})),
         ("POST", f"/v1/instances/{ctx.instance_id}/drain", None),
         ("GET", "/v1/nope", None)])
     headers = dict(MSGPACK) if body is not None else {}
@@ -646,6 +649,8 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
                            "negative_size", "unknown_model", "pickle_or_ext", "oversized"),
     ("POST", "/v1/ack"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                           "negative_size", "pickle_or_ext", "oversized"),
+    ("POST", "/v1/batches/extend"): ("garbage", "malformed_msgpack", "wrong_type",
+                                     "unknown_field", "pickle_or_ext", "oversized", "auth"),
     ("GET", "/v1/version/{model_id}"): ("unknown_model", "auth"),
     ("PUT", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
                                                          "out_of_order_version", "oversized",

@@ -1,7 +1,8 @@
 """astralight.dataflow.audit on states built through the real dataflow core (in process, real
 SQLite): a balanced state with every task class, then hand-broken ones (a sample row deleted, a
 task done without samples, a batch acked twice over, samples stranded in an acked batch) and the
-real late-ack-after-requeue path, which trains samples twice."""
+real late-ack-after-requeue paths: samples served again are trained twice (counted by the
+service, so the audit's ledgers agree), samples still queued are taken back."""
 
 from __future__ import annotations
 
@@ -152,8 +153,11 @@ def test_an_acked_batch_without_its_samples_is_a_duplicate(every_class):
 
 
 def test_late_ack_of_a_requeued_and_reserved_batch_trains_samples_twice(tmp_path):
-    """The real path to a duplicate: a batch not acked within batch_ack_timeout_s is re-queued
-    and served again; if the first trainer then acks it late, its samples were trained twice."""
+    """The one real path to a duplicate: a batch neither acked nor extended within
+    batch_ack_timeout_s is re-queued and served again; if the first trainer then acks it late
+    (with the keep-alive, only a trainer frozen longer than the timeout does), its samples were
+    trained twice. The service cannot un-train them: the ack says so and counts them, and the
+    audit reports the duplicates, all of them counted (no mismatch), and is not balanced."""
     flow = make(tmp_path)
     iid = flow.register(["policy"], capacity=4, instance_id="raas-a", meta={})["instance_id"]
     task = flow.lease(iid, 1)[0]
@@ -165,11 +169,71 @@ def test_late_ack_of_a_requeued_and_reserved_batch_trains_samples_twice(tmp_path
     flow.ack(second.batch_id)
     r = audit(db(tmp_path))
     assert r["balanced"] and r["duplicates_trained"] == 0 and r["samples_trained"] == GROUP
-    flow.ack(first.batch_id)  # late: the trainer did train it
+    answer = flow.ack(first.batch_id)  # late: the trainer did train it
+    assert answer["late"] and answer["trained_twice"] == GROUP and answer["taken_back"] == 0
+    assert "trained twice" in answer["warning"] and first.batch_id in answer["warning"]
+    c = flow.stats()["models"]["policy"]
+    assert (c["late_acks"], c["late_acks_after_reserve"], c["samples_trained_twice"]) == (1, 1, GROUP)
     flow.close()
     r = audit(db(tmp_path))
     assert r["duplicates_trained"] == GROUP and not r["balanced"]
+    assert r["duplicates_counted"] == GROUP and r["late_acks_after_reserve"] == 1
+    assert r["mismatches"] == [] and r["samples_lost"] == 0
     assert r["samples_trained"] == GROUP  # distinct samples: still one each
+
+
+def test_late_ack_of_a_batch_reserved_but_not_yet_acked_counts_the_duplicates(tmp_path):
+    """The re-served batch is still out when the late ack comes: the same count, and the audit
+    balances its ledgers once the second batch is acked too."""
+    flow = make(tmp_path)
+    iid = flow.register(["policy"], capacity=4, instance_id="raas-a", meta={})["instance_id"]
+    tasks = flow.lease(iid, 2)
+    for t in tasks:
+        flow.push(iid, t.task_id, samples(t, [0, 1]))
+    first = flow.pull("policy", 2 * GROUP)
+    flow.requeue_expired_batches(now=1e12)
+    second = flow.pull("policy", GROUP)  # half of the re-queued samples are served again
+    answer = flow.ack(first.batch_id)
+    assert (answer["trained_twice"], answer["taken_back"], answer["samples"]) == (GROUP, GROUP, GROUP)
+    assert flow.pull("policy", GROUP, trainer_id="t") is None  # the other half was taken back
+    flow.ack(second.batch_id)
+    flow.close()
+    r = audit(db(tmp_path))
+    assert r["duplicates_trained"] == r["duplicates_counted"] == GROUP
+    assert r["samples_trained"] == 2 * GROUP and r["samples_pending"] == 0
+    assert r["mismatches"] == [] and r["batches"] == {"acked": 2}
+
+
+def test_late_ack_before_any_reserve_takes_the_samples_back(tmp_path):
+    """A re-queued batch acked before its samples were served again: they are taken back from
+    the queue (trained once, never served again) and the audit balances."""
+    flow = make(tmp_path)
+    iid = flow.register(["policy"], capacity=4, instance_id="raas-a", meta={})["instance_id"]
+    task = flow.lease(iid, 1)[0]
+    flow.push(iid, task.task_id, samples(task, [0, 1]))
+    first = flow.pull("policy", GROUP)
+    assert flow.requeue_expired_batches(now=1e12) == {"policy"}
+    assert flow.stats()["models"]["policy"]["queue_depth"] == GROUP
+    answer = flow.ack(first.batch_id)
+    assert answer["late"] and (answer["taken_back"], answer["trained_twice"]) == (GROUP, 0)
+    assert "warning" not in answer
+    stats = flow.stats()["models"]["policy"]
+    assert stats["queue_depth"] == 0 and stats["late_acks"] == 1
+    assert stats["late_acks_after_reserve"] == 0 and stats["samples_trained_twice"] == 0
+    assert flow.pull("policy", GROUP) is None  # nothing to serve again
+    flow.close()
+    r = audit(db(tmp_path))
+    assert r["balanced"], r
+    assert r["samples_trained"] == GROUP and r["duplicates_trained"] == 0 and r["late_acks"] == 1
+
+
+def test_a_duplicate_the_service_did_not_count_is_a_mismatch(every_class):
+    _edit(every_class, "INSERT INTO batches(batch_id, model_id, trainer_id, policy_version, n,"
+                       " state, served_at, acked_at) VALUES('forged', 'policy', 't', 0, 2,"
+                       " 'acked', 0, 0)")
+    r = audit(db(every_class))
+    assert r["duplicates_counted"] == 0
+    assert any("samples_trained_twice" in m for m in r["mismatches"]), r["mismatches"]
 
 
 def test_cli_prints_json_and_exit_status_says_balanced(every_class, capsys):
