@@ -45,7 +45,9 @@ components listed in ``pids.json`` still run, reuses the prepared model, restart
 on its state and the trainers from their last checkpoints, and runs to ``stop.versions``; its
 summary is the whole run's (the dataflow's counters are durable; restarts and trainer time add
 up over launches, ``resumes`` counts the resumptions). SIGTERM stops the launcher like Ctrl-C
-(components in order), leaving the folder resumable.
+(components in order), leaving the folder resumable. SIGKILL of the launcher (which no handler
+sees) stops every component too, on Linux: each gets SIGTERM from the kernel (parent-death signal,
+:mod:`astralight.proc`) and stops as on a polite stop, the folder left resumable.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from typing import Any
 
 import yaml
 
+from astralight.proc import spawn
 from astralight.supervise import (
     GiveUp,
     RestartEvent,
@@ -111,23 +114,28 @@ class Component:
         """``dataflow``, ``raas``, ``trainer`` or ``autoscale``."""
         return self.name.split("-")[0]
 
+    @property
+    def stop_signal(self) -> int:
+        """How it is stopped politely: SIGINT for a trainer (Lightning's graceful stop), SIGTERM
+        for a service (they drain or commit on it)."""
+        return signal.SIGINT if self.kind == "trainer" else signal.SIGTERM
+
     def start(self) -> None:
         if self.log_file is not None:  # a restart: the previous process's log handle
             self.log_file.close()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.log_path, "ab", buffering=0)
         # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then stops
-        # the components in order instead of all at once.
-        cpus = self.cpus
-
-        def pin() -> None:  # runs in the child before exec
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self.proc = subprocess.Popen(self.argv + list(self.extra_argv), stdout=self.log_file,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, **{k: str(v) for k, v in self.env.items()}},
-                                     start_new_session=True, preexec_fn=pin)
+        # the components in order instead of all at once. The child gets SIGTERM if the launcher
+        # dies, even by SIGKILL (astralight.proc): a killed launcher leaves no stray component.
+        # Components are started and restarted on the thread that runs the launcher's loop,
+        # which outlives them (the parent-death signal follows the forking thread). The signal is
+        # the one the launcher's own stop sends: SIGINT for a trainer (Lightning's graceful stop,
+        # which also breaks out of a wait on a dataflow that died too), SIGTERM for a service.
+        self.proc = spawn(self.argv + list(self.extra_argv), cpus=self.cpus, stdout=self.log_file,
+                          stderr=subprocess.STDOUT,
+                          env={**os.environ, **{k: str(v) for k, v in self.env.items()}},
+                          death_signal=self.stop_signal)
         self.lifetimes.append([time.time(), None])
 
     def alive(self) -> bool:
@@ -892,7 +900,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     finally:
         for comp in reversed(comps):
             # trainers get SIGINT (Lightning's graceful stop), services SIGTERM
-            sig = signal.SIGINT if comp.kind == "trainer" else signal.SIGTERM
+            sig = comp.stop_signal
             timeout_s = 30.0
             if comp.name == "autoscale":  # it drains its instances before it exits
                 settings_a = autoscale_settings(recipe["autoscale"])

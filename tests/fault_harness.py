@@ -44,16 +44,17 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import numpy as np
 import yaml
+
+from astralight.launch import Component as LaunchComponent
 
 SCENARIOS = ("dataflow_kill", "raas_kill", "trainer_kill", "partition", "disk_full",
              "garbage_raas")
@@ -92,38 +93,17 @@ class Settings:
     garbage_skip: tuple = ()      # garbage cases left out (see garbage_cases)
 
 
-@dataclass
-class Component:
-    """One child process (its own session, so kill -9 of the group takes its children too)."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict = field(default_factory=dict)
-    cpus: list[int] | None = None
-    proc: subprocess.Popen | None = None
+class Component(LaunchComponent):
+    """One child process (its own session, so kill -9 of the group takes its children too): the
+    launcher's :class:`astralight.launch.Component` (start, stop, parent-death signal), plus a
+    header line per start in its log and :meth:`kill9`, which the harness injects faults with."""
 
     def start(self) -> "Component":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cpus = self.cpus
-
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         with open(self.log_path, "ab") as out:
             out.write(f"\n===== {time.strftime('%H:%M:%S')} start {' '.join(self.argv)}\n".encode())
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env}, start_new_session=True,
-                                         preexec_fn=pin)
+        super().start()
         return self
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def kill9(self) -> None:
         """SIGKILL to the whole process group, then reap."""
@@ -134,19 +114,7 @@ class Component:
         except ProcessLookupError:
             pass
         self.proc.wait()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.alive():
-            try:
-                self.proc.send_signal(sig)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-            except ProcessLookupError:
-                pass
-        return self.proc.returncode
+        self.alive()  # records the end of its lifetime
 
     def text(self) -> str:
         try:

@@ -9,8 +9,12 @@ A backend knows nothing of policy; the autoscaler tells it which instance to sta
   reply, finishes and pushes what it holds, returns the rest, deregisters and exits), then waits
   for the process; SIGTERM (the RaaS drains on it too) after ``drain_timeout_s``, SIGKILL
   ``kill_after_s`` later. Retirement runs in a thread, so the autoscaler keeps polling meanwhile.
-  Children get SIGTERM if the autoscaler process dies (Linux parent-death signal), so a killed
-  autoscaler leaves no orphan RaaS behind.
+  Children get SIGTERM if the autoscaler process dies, even by SIGKILL (Linux parent-death
+  signal, :mod:`astralight.proc`), so a killed autoscaler leaves no orphan RaaS behind; launches
+  happen on the autoscaler's loop thread, which lives as long as the pool (the signal follows
+  the forking *thread*). Instances it did not start (a restarted autoscaler adopting a previous
+  one's, see :mod:`astralight.autoscale.service`) are not its children: :meth:`alive` cannot
+  tell (None: ask the dataflow) and the autoscaler retires them through the drain route.
 - :class:`CommandBackend`: shell command templates for a cluster (Slurm, kubectl, anything), with
   ``{instance}`` (the instance id) and ``{n}`` (instances wanted after the action) substituted::
 
@@ -21,13 +25,15 @@ A backend knows nothing of policy; the autoscaler tells it which instance to sta
   The launched job must start its RaaS with ``--instance_id {instance}`` so that the dataflow's
   table and the autoscaler agree on names. With a dataflow URL, retiring drains through the
   route first, then runs the retire command (scancel's SIGTERM drains a RaaS as well).
+  The commands run with plain :mod:`subprocess`, without the parent-death signal: what they
+  start belongs to the cluster and outlives the autoscaler on purpose; a restarted autoscaler
+  adopts those instances instead of starting a second pool.
 
 Instances are named ``auto-<k>`` by the autoscaler.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -37,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+from astralight.proc import spawn
 
 log = logging.getLogger("astralight.autoscale")
 
@@ -63,22 +71,6 @@ def render(template: str, instance_id: str, n: int | None) -> str:
     """Substitute ``{instance}`` and ``{n}`` (plain replacement: other braces stay as they are,
     e.g. a shell's ``${VAR}``)."""
     return template.replace("{instance}", instance_id).replace("{n}", "" if n is None else str(int(n)))
-
-
-_PR_SET_PDEATHSIG = 1
-try:  # loaded in the parent: dlopen after fork (in preexec_fn) may deadlock
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:  # pragma: no cover
-    _LIBC = None
-
-
-def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
-    def setup() -> None:  # runs in the child, between fork and exec
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        if _LIBC is not None:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    return setup
 
 
 class LocalProcessBackend:
@@ -132,16 +124,23 @@ class LocalProcessBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         with open(log_path, "ab", buffering=0) as log_file:
-            proc = subprocess.Popen(self.argv(instance_id), stdout=log_file, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **self.env}, start_new_session=True,
-                                    preexec_fn=_child_setup(self.cpus))
+            # dies with the autoscaler (astralight.proc): a SIGKILLed autoscaler orphans no RaaS
+            proc = spawn(self.argv(instance_id), cpus=self.cpus, stdout=log_file,
+                         stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         self.procs[instance_id] = proc
         self.logs[instance_id] = log_path
         return proc
 
-    def alive(self, instance_id: str) -> bool:
+    def manages(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` is a child of this backend (what :meth:`retire` can stop)."""
+        return instance_id in self.procs
+
+    def alive(self, instance_id: str) -> bool | None:
+        """Whether the child runs; None for an instance it did not start (ask the dataflow)."""
         proc = self.procs.get(instance_id)
-        return proc is not None and proc.poll() is None
+        if proc is None:
+            return None
+        return proc.poll() is None
 
     def returncode(self, instance_id: str) -> int | None:
         proc = self.procs.get(instance_id)
@@ -296,6 +295,10 @@ class CommandBackend:
                 if client is not None and hasattr(client, "close"):
                     client.close()
         self._check("retire", instance_id, n)
+
+    def manages(self, instance_id: str) -> bool:
+        """Any instance id: the templates name instances, whoever launched them."""
+        return True
 
     def alive(self, instance_id: str) -> bool | None:
         if self.templates["alive"] is None:

@@ -76,6 +76,7 @@ class Decision:
     """What the autoscaler decided, and why; one line of output and one JSON record each."""
 
     action: str              # scale_up | scale_down | hold | replace | initial | died | shutdown
+                             # | adopt
     pool: int                # the pool counted when deciding
     target: int              # the pool size aimed at (after bounds)
     launch: int = 0          # instances to start

@@ -15,8 +15,18 @@ instances plus live ones it did not start) and apply :class:`~astralight.autosca
 stdout and one JSON line in the decisions log. SIGTERM / SIGINT: retire (drain) every instance it
 started, wait for them, exit 0; a second signal stops them with SIGTERM at once.
 
-The autoscaler holds no state the dataflow does not: restarted, it starts a fresh pool (instance
-ids continue from the decisions log, so a restart does not reuse a name).
+The autoscaler holds no state the dataflow does not. Restarted (after a crash, kill -9, a
+preemption) while instances a previous run of it started are still registered -- under a command
+backend (Slurm, Kubernetes) they outlive it on purpose; local instances die with it (parent-death
+signal, :mod:`astralight.proc`) but one may linger until it deregisters -- it **adopts** them
+instead of starting a second pool: every live instance of the dataflow's table whose id is
+``<id_prefix>-<k>`` and that serves ``model_id`` counts as its own (managed: retirable, drained on
+shutdown), at start before the initial launch (which then starts only the shortfall) and on every
+poll after (a job queued before the crash may register late). Instance ids continue after the
+decisions log's and the adopted ones, so a restart does not reuse a name. Adopted instances are
+retired through the backend when it can name them (command templates) and through the drain route
+otherwise (a local instance that is not this process's child). Two autoscalers on one dataflow
+must use different ``--id-prefix`` values (or different model ids).
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from astralight.autoscale.backends import BackendError, CommandBackend, LocalProcessBackend
-from astralight.autoscale.policy import Decision, Policy, PolicyConfig, pool_members
+from astralight.autoscale.policy import LEAVING, LIVE, Decision, Policy, PolicyConfig, pool_members
 
 log = logging.getLogger("astralight.autoscale")
 
@@ -81,6 +91,7 @@ class Autoscaler:
         self.retiring: dict[str, float] = {}   # being drained: id -> retirement began (wall)
         self.started: list[str] = []           # every instance it ever launched
         self.retired: list[str] = []           # instances whose retirement finished
+        self.adopted: list[str] = []           # instances of an earlier run it took over
         self.decisions: list[dict] = []
         self.version = 0
         self.next_report = config.every
@@ -100,10 +111,51 @@ class Autoscaler:
                         entry = json.loads(line)
                     except ValueError:
                         continue
-                    for iid in entry.get("launched") or []:
+                    for iid in (entry.get("launched") or []) + (entry.get("adopted") or []):
                         if iid.startswith(prefix) and iid[len(prefix):].isdigit():
                             k = max(k, int(iid[len(prefix):]) + 1)
         return k
+
+    def _index(self, iid: str) -> int | None:
+        """``k`` of an id ``<id_prefix>-<k>``, None for any other id."""
+        prefix = f"{self.config.id_prefix}-"
+        if iid.startswith(prefix) and iid[len(prefix):].isdigit():
+            return int(iid[len(prefix):])
+        return None
+
+    def adopt(self, table: list[dict]) -> list[str]:
+        """Take over live instances named like its own that it neither started nor adopted yet
+        (a previous run's: see the module docstring); returns their ids, records the decision."""
+        known = set(self.started) | set(self.adopted) | set(self.managed) | set(self.retiring)
+        found = []
+        for row in table:
+            iid = str(row.get("instance_id"))
+            k = self._index(iid)
+            if k is None or iid in known:
+                continue
+            if row.get("status") not in LIVE or row.get("state") in LEAVING:
+                continue
+            if self.config.model_id not in (row.get("model_ids") or [self.config.model_id]):
+                continue
+            since = row.get("registered_at")
+            self.managed[iid] = float(since) if since is not None else self.wall()
+            self.adopted.append(iid)
+            self._k = max(self._k, k + 1)
+            found.append(iid)
+        if found:
+            pool = len(pool_members(table, self.managed, self.config.model_id))
+            self.record(Decision("adopt", pool, pool, reason=(
+                f"{', '.join(found)}: registered {self.config.id_prefix}-* instance(s) of an "
+                "earlier run, now counted as its own")), adopted=found)
+        return found
+
+    def _retire(self, iid: str, n: int) -> None:
+        """Retire a managed instance: through the backend if it can name it, else (an adopted
+        local instance, not a child of this process) through the drain route."""
+        if iid in self.adopted and not getattr(self.backend, "manages", lambda _i: True)(iid):
+            self.client.drain(iid)
+        else:
+            self.backend.retire(iid, n=n)
 
     def say(self, line: str) -> None:
         print(f"[autoscale] {line}", file=self.out, flush=True)
@@ -145,7 +197,7 @@ class Autoscaler:
         for iid in decision.retire:
             try:
                 if iid in self.managed:
-                    self.backend.retire(iid, n=decision.target)
+                    self._retire(iid, decision.target)
                     self.managed.pop(iid, None)
                     self.retiring[iid] = self.wall()
                 else:  # a live instance it did not start (retire_unmanaged): drain it only
@@ -155,12 +207,28 @@ class Autoscaler:
         return self.record(decision, launched, errors, **extra)
 
     def start(self) -> None:
-        """Launch the initial pool."""
+        """Adopt a previous run's registered instances, then launch the rest of the initial pool.
+
+        When the instance table cannot be read, it launches the whole initial pool; instances of
+        an earlier run are adopted on a later poll and the policy resizes the pool."""
         cfg = self.policy.config
         n = cfg.clamp(self.config.initial if self.config.initial is not None else cfg.min_instances)
-        if n:
-            self.act(Decision("initial", 0, n, launch=n,
-                              reason=f"initial pool (bounds {cfg.min_instances}..{cfg.max_instances})"))
+        have = 0
+        try:
+            table = list(self.client.stats().get("instances") or [])
+        except Exception as exc:
+            self.say(f"could not read the instance table before the initial launch ({exc}); "
+                     "an earlier run's instances, if any, are adopted on a later poll")
+        else:
+            if self.adopt(table):
+                have = len([m for m in pool_members(table, self.managed, self.config.model_id)
+                            if m.managed])
+        launch = max(0, n - have)
+        if launch:
+            reason = f"initial pool (bounds {cfg.min_instances}..{cfg.max_instances})"
+            if have:
+                reason += f"; {have} adopted"
+            self.act(Decision("initial", have, n, launch=launch, reason=reason))
             self.policy.acted(self.clock())
 
     def _alive(self, iid: str, rows: dict[str, dict]) -> bool:
@@ -197,6 +265,7 @@ class Autoscaler:
         model = (stats.get("models") or {}).get(self.config.model_id) or {}
         self.version = int(model.get("current_version") or 0)
         self.reap(table)
+        self.adopt(table)
         members = pool_members(table, self.managed, self.config.model_id)
         bounded = self.policy.bounds(members, now)
         if bounded is not None:
