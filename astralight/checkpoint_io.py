@@ -14,6 +14,17 @@ the folder. A writer killed at any point leaves the previous checkpoint intact p
 are left to Lightning's own implementation.
 
 ``astralight fit`` installs it unless the config names a checkpoint IO plugin of its own.
+
+Sharded trainers (``ModelParallelStrategy``, FSDP2) do not go through a CheckpointIO: with its
+default ``save_distributed_checkpoint=True`` the strategy writes ``last.ckpt`` as a
+``torch.distributed.checkpoint`` *folder* (one shard file per rank plus ``meta.pt`` with the
+loops', callbacks' -- publisher, datamodule -- and module's other state), and ``--ckpt_path last``
+restores it, weights and AdamW state sharded (tests/integration/test_fsdp2_fit.py). That folder is
+written in place, so it is *not* atomic: a trainer killed during a save can leave a torn
+``last.ckpt/``; keep ``save_top_k``/step-named checkpoints to fall back on. (With
+``save_distributed_checkpoint=False`` rank 0 gathers the full weights and optimizer state and
+this plugin writes them atomically (per Lightning's code; not tested here), at the cost of the
+whole model and AdamW state in rank 0's CPU memory.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,17 @@ costs one extra forward (~1/3 more compute) only when micro-batching; with
 context directly. Dropout is disabled at load (``disable_dropout``) so that the two passes, and
 the ratio on fresh data, agree.
 
+Distributed training
+--------------------
+DDP (``strategy: ddp``) for a model that fits on one GPU; for sharded training, FSDP2 through
+Lightning's ``ModelParallelStrategy`` (``data_parallel_size`` = GPUs, ``tensor_parallel_size: 1``):
+:meth:`RLPolicy.configure_model` shards the model (after the peft wrap) and the KL reference with
+``fully_shard`` per decoder layer, the trainer's ``precision`` maps onto FSDP2's mixed precision
+(``bf16-mixed``: fp32 masters, bf16 all-gather/compute, fp32 reduce; see :mod:`astralight.fsdp2`),
+and the gradient clip takes the global norm over the DTensor shards. Lightning's ``FSDPStrategy``
+(FSDP1) is refused at setup: Lightning runs ``training_step`` inside FSDP1's root forward, where
+several forward/backward passes per step break FSDP1 (Lightning issue #19685).
+
 Extension point: a new objective is one method
 ----------------------------------------------
 Subclass :class:`RLPolicy` and implement :meth:`RLPolicy.compute_loss`
@@ -218,6 +229,7 @@ class RLPolicy(pl.LightningModule):
         self.model: torch.nn.Module | None = None
         # The reference model is kept out of the module tree: not trained, not checkpointed.
         self._ref: list[torch.nn.Module] = []
+        self._sharded = False  # FSDP2: model (and reference) sharded in configure_model
         self._last_step_end: float | None = None
 
     # ------------------------------------------------------------------ model
@@ -227,19 +239,53 @@ class RLPolicy(pl.LightningModule):
 
         With ``lora`` the model is wrapped by peft (a ``PeftModel``: base weights frozen, adapters
         trainable, B = 0 so the wrapped model starts exactly as the base model).
+
+        Under ``ModelParallelStrategy`` (FSDP2; the strategy gives the module a device mesh) the
+        model -- after the peft wrap -- and the KL reference model are sharded with
+        ``fully_shard`` per decoder layer and at the root (:func:`astralight.fsdp2.shard`; the
+        trainer's ``precision`` maps onto FSDP2's mixed precision as documented there). Lightning's
+        ``FSDPStrategy`` (FSDP1) is refused (:func:`astralight.fsdp2.refuse_fsdp1`: it cannot run
+        several forward/backward passes per step).
         """
         if self.model is not None:
             return
-        self.model = load_causal_lm(self.model_path, self.disable_dropout)
+        from astralight import fsdp2
+
+        precision, mesh = None, None
+        if self._trainer is not None:
+            fsdp2.refuse_fsdp1(self.trainer.strategy)
+            precision = self.trainer.precision
+            mesh = fsdp2.data_parallel_mesh(self)
+        model = load_causal_lm(self.model_path, self.disable_dropout)
+        dtype = fsdp2.true_dtype(precision) if mesh is not None else None
+        if dtype is not None:
+            model.to(dtype)
         if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
+            model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_spec is not None:
-            self.model = wrap_model(self.model, self.lora_spec)
-        self.model.train()  # from_pretrained returns eval mode; dropout is already zeroed
+            # peft draws lora_A at random: seeded, so runs repeat and every rank starts from the
+            # same adapter (FSDP2, unlike DDP, broadcasts nothing; each rank keeps its own shard)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = wrap_model(model, self.lora_spec)
+        model.train()  # from_pretrained returns eval mode; dropout is already zeroed
+        if mesh is not None:  # shard before loading the reference: one full copy per rank at most
+            fsdp2.shard(model, mesh, precision)
+            self._sharded = True
+        ref = None
         if self.kl_coef > 0 and not self._ref and self.lora_spec is None:
             ref = load_causal_lm(self.model_path, disable_dropout=True).eval()
             ref.requires_grad_(False)
+            if dtype is not None:
+                ref.to(dtype)
+            if mesh is not None:
+                # The reference is sharded like the policy: a full frozen copy per rank would
+                # cost the memory FSDP saves (8B in fp32 is 32 GB); its forward all-gathers per
+                # layer (no grad, resharded after each layer).
+                fsdp2.shard(ref, mesh, precision)
+        self.model = model
+        if ref is not None:
             self._ref.append(ref)
 
     @property
@@ -255,7 +301,7 @@ class RLPolicy(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         torch.manual_seed(self.seed)
-        if self._ref:
+        if self._ref and not self._sharded:  # fully_shard already put the shards on the mesh's device
             self._ref[0].to(self.device)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -418,7 +464,9 @@ class RLPolicy(pl.LightningModule):
         and also matches FSDP, whose ``no_sync`` refuses to run inside its own forward -- where
         Lightning runs ``training_step`` (forward redirection), so every FSDP step with
         micro-batches failed ("expected to be in states [IDLE]", found by tests/gpu/check.py).
-        FSDP accumulates its sharded gradients across backward calls by itself.
+        FSDP1 is now refused at setup; FSDP2 (``ModelParallelStrategy``) has no root wrapper and
+        reduce-scatters every micro-batch's gradient into its sharded ``.grad`` (accumulating),
+        so gradients never exist unsharded.
         """
         if self._trainer is None:
             loss.backward()
@@ -464,14 +512,12 @@ class RLPolicy(pl.LightningModule):
         return out
 
     def _clip_and_norm(self) -> Tensor:
+        """Clip to ``grad_clip`` by the global norm over all ranks' gradients (FSDP2 DTensor
+        shards included: :func:`astralight.fsdp2.clip_grad_norm`) and return that norm."""
+        from astralight.fsdp2 import clip_grad_norm
+
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip else float("inf")
-        strategy_model = getattr(self.trainer.strategy, "model", None) if self._trainer else None
-        if hasattr(strategy_model, "clip_grad_norm_"):  # FSDP: norm over the sharded gradients
-            return strategy_model.clip_grad_norm_(max_norm)
-        if not params:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return clip_grad_norm(params, self.grad_clip or None, device=self.device)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         t0 = time.perf_counter()

@@ -81,12 +81,15 @@ dataflow's are skipped (counted in ``skipped``, warned once) instead of being re
 Distributed
 -----------
 Only global rank 0 encodes and publishes. Under DDP (and DeepSpeed ZeRO 1/2) rank 0's module holds
-the full weights, other ranks do nothing. Under FSDP (``FSDPStrategy``, FSDP1) and
-``ModelParallelStrategy`` (FSDP2 / DTensor) every rank joins the collective
+the full weights, other ranks do nothing. Under ``ModelParallelStrategy`` (FSDP2 / DTensor: the
+policies shard themselves there; ``FSDPStrategy``, FSDP1, is refused by them but still gathered
+here for other modules) every rank joins the collective
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
 cpu_offload=True)`` on the strategy's root module at each publication step, and rank 0 gets the
 whole state on CPU; names are taken relative to the HF module (FSDP wrapper prefixes are removed
-by DCP). DeepSpeed ZeRO-3 is refused at setup (its partitions are not gathered here).
+by DCP), so the names, the peft adapter names and the tied-embedding de-duplication are exactly
+those of an unsharded publication (tests/integration/test_fsdp2_fit.py compares them). DeepSpeed
+ZeRO-3 is refused at setup (its partitions are not gathered here).
 
 LoRA (peft)
 -----------
@@ -713,7 +716,7 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
             raise ValueError("model_id: not set and neither the module nor the datamodule has one")
         if getattr(trainer.strategy, "zero_stage_3", False):
             raise ValueError("trainer.strategy: WeightPublisher does not gather DeepSpeed ZeRO-3 "
-                             "partitions; use FSDPStrategy or ModelParallelStrategy (or ZeRO 1/2)")
+                             "partitions; use ModelParallelStrategy (FSDP2) or ZeRO 1/2")
         if self.worker == "process" and not self.dataflow_url:
             raise ValueError("dataflow_url: not set and the datamodule has none; set "
                              "callbacks[WeightPublisher].init_args.dataflow_url")

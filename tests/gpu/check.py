@@ -18,7 +18,8 @@ matter; vLLM accepts any id below the model's vocabulary). Per model, in a child
    download, verification and the in-place load are then checked, vLLM's CUDA path is not;
 4. ``generate``: one batch of ``prompts x group`` rollouts at temperature 1.0 -> **throughput**;
 5. ``train``: a Lightning ``Trainer.fit`` of :class:`astralight.policy.M2POPolicy` (the paper's
-   A.7 settings: M2PO m2 0.01, KL 1e-3, AdamW 5e-6, wd 0.01, clip 1.0; bf16-mixed, FSDP on GPU)
+   A.7 settings: M2PO m2 0.01, KL 1e-3, AdamW 5e-6, wd 0.01, clip 1.0; bf16-mixed, FSDP2 on GPU:
+   Lightning's ``ModelParallelStrategy``, the policy sharding itself per decoder layer)
    on batches built from those rollouts exactly as the trainer receives them
    (``single_turn.completion_sample`` -> group-normalised advantages -> ``collate_batch``), with
    the production :class:`astralight.callbacks.WeightPublisher` (encoder process, bf16 bit-diff
@@ -30,7 +31,7 @@ matter; vLLM accepts any id below the model's vocabulary). Per model, in a child
    cannot generate), then checks a few tensors the engine holds against the published bits and
    generates again;
 6. ``lora_train`` (``--lora-steps``, default 2): M2PO steps on a peft LoRA adapter under the same
-   strategy (FSDP on GPU), publishing the adapter (full, then delta) -> the ``lora`` record.
+   strategy (FSDP2 on GPU), publishing the adapter (full, then delta) -> the ``lora`` record.
 
 Prints ONE JSON line on stdout: the headline figures of the largest model that completed
 (``throughput_tokens_per_s``, ``refresh_pause_s`` (median delta refresh), ``refresh_full_pause_s``,
@@ -69,7 +70,7 @@ SHAPES = {
 #: sizes of the work per device; the CPU profile keeps the tiny pipeline under a minute
 PROFILES = {
     "cuda": dict(prompts=64, group=8, prompt_len=256, max_tokens=512, steps=3, batch=32,
-                 micro_batch=8, lr=5e-6, precision="bf16-mixed", strategy="fsdp",
+                 micro_batch=8, lr=5e-6, precision="bf16-mixed", strategy="fsdp2",
                  gpu_memory_utilization=0.35, gradient_checkpointing=True),
     "cpu": dict(prompts=8, group=4, prompt_len=8, max_tokens=16, steps=3, batch=16,
                 micro_batch=8, lr=1e-5, precision="32-true", strategy="auto",
@@ -341,7 +342,7 @@ def run_model(name: str, device: str, workdir: Path, rec: Recorder, args) -> Non
             say(f"{name}: refresh v{version}: {entry}")
 
         attempts = [dict(strategy=args.strategy or prof["strategy"], kl_coef=0.001)]
-        if device == "cuda":  # a failing FSDP/KL path must not cost the figures that follow it
+        if device == "cuda":  # a failing FSDP2/KL path must not cost the figures that follow it
             attempts.append(dict(strategy="auto", kl_coef=0.0))
         publisher = None
         for i, settings in enumerate(attempts):
@@ -457,7 +458,7 @@ def verify_engine(engine, sync, limit: int = 3) -> int:
 def run_lora(folder: Path, url: str, batches: list[dict], prof: dict, device: str,
              settings: dict, workdir: Path, rec) -> None:
     """The ``lora`` stage: M2PO steps on a peft LoRA adapter (:data:`LORA`, every linear layer
-    of the decoder) under the strategy the main stage trained with (FSDP on GPU), publishing
+    of the decoder) under the strategy the main stage trained with (FSDP2 on GPU), publishing
     the adapter (version 1 full, then bf16 deltas). Each published manifest is read back from
     the dataflow: adapter metadata present, only adapter tensors named. Recorded under
     ``lora`` (``ok``, ``error``); it does not change the main record's ``ok``."""
@@ -528,12 +529,10 @@ def fit(folder: Path, url: str, batches: list[dict], prof: dict, device: str, se
             refresh(trainer.global_step)
 
     strategy = settings["strategy"]
-    if strategy == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+    if strategy in ("fsdp2", "fsdp"):  # FSDP2; "fsdp" kept as an alias (FSDP1 is refused)
+        from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = FSDPStrategy(auto_wrap_policy={Qwen3DecoderLayer}, sharding_strategy="FULL_SHARD",
-                                state_dict_type="sharded")
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     publisher = WeightPublisher(dataflow_url=url, every_n_steps=1, full_every=10)
     probe = Probe(publisher)
     module = M2POPolicy(model_path=str(folder), model_id=model_id, loss="m2po", m2_threshold=0.01,
@@ -699,8 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop starting models after this long; a running one is stopped at it")
     p.add_argument("--min-model-s", type=float, default=60.0,
                    help="do not start a model with less budget than this left")
-    p.add_argument("--strategy", choices=("fsdp", "auto"), default=None,
-                   help="trainer strategy (default: fsdp on cuda, auto on cpu)")
+    p.add_argument("--strategy", choices=("fsdp2", "fsdp", "auto"), default=None,
+                   help="trainer strategy: fsdp2 (Lightning's ModelParallelStrategy, the policy "
+                        "sharding itself with fully_shard; 'fsdp' is an alias) or auto "
+                        "(default: fsdp2 on cuda, auto on cpu)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="vLLM without CUDA graphs (faster start, lower throughput)")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",

@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU check of astralight's real-model path on ONE GPU (no network needed): vLLM throughput, real
-# M2PO steps (FSDP, bf16-mixed) with the production WeightPublisher, bf16 delta sparsity and
+# M2PO steps (FSDP2, bf16-mixed) with the production WeightPublisher, bf16 delta sparsity and
 # compression, and the RaaS weight refresh into the vLLM engine (pause time), for random-initialised
 # Qwen3-0.6B and Qwen3-1.7B-shaped models. Prints ONE JSON line on stdout (progress on stderr);
 # exit status 0 when every model completed. Budget: 450 s of work (under 8 minutes on one H200).

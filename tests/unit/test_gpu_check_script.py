@@ -3,7 +3,9 @@
 ``tests/gpu/check.sh --device cpu --tiny`` runs what the GPU check runs (a real dataflow service,
 vLLM, Lightning M2PO steps with the production WeightPublisher, the RaaS WeightSync refresh into
 vLLM) with the tiny model on CPU, and prints one JSON line. ``--engine hf`` runs it with the
-transformers engine instead (what the check falls back to on a machine without vLLM). The assertions are on its structure
+transformers engine instead (what the check falls back to on a machine without vLLM);
+``--strategy fsdp2`` trains under Lightning's ``ModelParallelStrategy`` (FSDP2, the GPU default;
+one gloo rank here). The assertions are on its structure
 and on values that hold on any machine (no timings are compared with anything).
 """
 
@@ -26,11 +28,12 @@ def test_script_syntax():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_cpu_tiny_mode_reports_every_figure(engine):
+@pytest.mark.parametrize("engine,strategy", [("vllm", None), ("hf", None), ("hf", "fsdp2")])
+def test_cpu_tiny_mode_reports_every_figure(engine, strategy):
+    extra = ["--strategy", strategy] if strategy else []
     out = subprocess.run([str(SCRIPT), "--device", "cpu", "--tiny", "--engine", engine,
-                          "--hf-batch-size", "8"], capture_output=True, text=True, timeout=400,
-                         cwd=ROOT)
+                          "--hf-batch-size", "8", *extra], capture_output=True, text=True,
+                         timeout=400, cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, f"expected one JSON line, got:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     report = json.loads(lines[0])
@@ -71,12 +74,14 @@ def test_cpu_tiny_mode_reports_every_figure(engine):
     assert set(STAGES) <= set(report["timings"]) and all(v >= 0 for v in report["timings"].values())
     metrics = model["train_metrics"]
     assert {"train/m2_before", "train/masked_fraction", "train/kl_k3"} <= set(metrics)
-    assert model["train_settings"] == {"strategy": "auto", "kl_coef": 0.001}
+    assert model["train_settings"] == {"strategy": strategy or "auto", "kl_coef": 0.001}
+    assert "train_errors" not in model  # the first attempt trained (no fallback)
 
     # the LoRA stage: adapter steps under the same strategy, version 1 full then a delta, each
     # manifest read back naming adapter tensors only
     lora = model["lora"]
     assert lora["ok"] is True, (lora.get("error"), lora.get("trace"))
+    assert lora["settings"]["strategy"] == (strategy or "auto")
     assert [p["kind"] for p in lora["published"]] == ["full", "delta"]
     assert [m["version"] for m in lora["manifests"]] == [1, 2]
     assert lora["published"][1]["bytes"] < lora["published"][0]["bytes"]

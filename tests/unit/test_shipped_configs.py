@@ -97,3 +97,21 @@ def test_a_bad_source_argument_is_named(tmp_path):
     with pytest.raises(pytest.fail.Exception, match="max_prompt_tokenz"):
         _check_source({"class_path": "astralight.tasks.data.presets.DAPOMathSource",
                        "init_args": {"path": "x", "max_prompt_tokenz": 5}}, "source")
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if _kind(p) == "trainer"],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_trainer_strategy_can_train_a_policy(path):
+    """No config names FSDPStrategy (FSDP1 cannot run the policy's manual-optimization steps;
+    the policy refuses it); an FSDP2 config shards over all of its trainer's GPUs, no TP."""
+    import yaml
+
+    trainer = yaml.safe_load(path.read_text())["trainer"]
+    strategy = trainer.get("strategy")
+    name = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
+    assert "FSDPStrategy" not in name and name.lower() not in ("fsdp", "fsdp_cpu_offload")
+    if name.endswith("ModelParallelStrategy"):
+        args = strategy.get("init_args", {})
+        gpus = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+        assert args.get("data_parallel_size") == gpus and args.get("tensor_parallel_size") == 1
+        assert trainer.get("precision") == "bf16-mixed"  # fp32 masters (see astralight.fsdp2)
