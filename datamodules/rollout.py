@@ -344,6 +344,7 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         self.acknowledged: collections.deque[str] = collections.deque(maxlen=1024)
         self.n_acknowledged = 0
         self._pulled_before = 0  # batches pulled by earlier streams (and before a resume)
+        self._resumed_step: int | None = None  # set by a checkpoint load, reported at first pull
 
     # ---------------------------------------------------------------- client
 
@@ -417,7 +418,39 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         return DataLoader(self._stream, batch_size=None, num_workers=0,
                           collate_fn=_identity)
 
+    def _global_step(self) -> int | None:
+        trainer = getattr(self, "trainer", None)
+        step = getattr(trainer, "global_step", None) if trainer is not None else None
+        return int(step) if isinstance(step, int) else None
+
+    def _report_resume(self) -> None:
+        """Once after a restart from a checkpoint (rank zero): tell the dataflow the step it was
+        taken at, so that the batches acked after it -- trained into weights the crash lost --
+        are counted as rolled back instead of trained. Never fails the step: an older service
+        without the route, or a client without the method, only gets a log line."""
+        step, self._resumed_step = self._resumed_step, None
+        trainer = getattr(self, "trainer", None)
+        if step is None or (trainer is not None and not trainer.is_global_zero):
+            return
+        report = getattr(self.client, "trainer_resumed", None)
+        if report is None:
+            return
+        try:
+            answer = report(self.model_id, step)
+        except Exception as exc:  # noqa: BLE001 - accounting only; training goes on
+            log.warning("%s: could not tell the dataflow this trainer resumed at step %d (%s: %s); "
+                        "batches acked after that step stay counted as trained", self.model_id,
+                        step, type(exc).__name__, exc)
+            return
+        if isinstance(answer, dict) and answer.get("batches_rolled_back"):
+            log.warning("%s: resumed at step %d; the dataflow counts %d batches (%d samples) "
+                        "acked after it as rolled back (their training was lost with the crash)",
+                        self.model_id, step, answer["batches_rolled_back"],
+                        answer.get("samples_rolled_back", 0))
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self._resumed_step is not None:
+            self._report_resume()
         if isinstance(batch, PendingPull):
             stream = self._stream or self.stream(lazy=True)
             self._stream = stream
@@ -434,10 +467,13 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         warning when the dataflow says samples were trained twice."""
         if self._keepalive is not None:
             self._keepalive.release(batch_id)
-        if wait_s is None or step_s is None:
-            answer = self.client.ack(batch_id)
-        else:
-            answer = self.client.ack(batch_id, wait_s=wait_s, step_s=step_s)
+        kw: dict[str, Any] = {}
+        if wait_s is not None and step_s is not None:
+            kw.update(wait_s=wait_s, step_s=step_s)
+        step = self._global_step()
+        if step is not None:
+            kw["step"] = step  # a restart from an older checkpoint rolls back acks after it
+        answer = self.client.ack(batch_id, **kw)
         self.acknowledged.append(batch_id)
         self.n_acknowledged += 1
         if isinstance(answer, dict) and answer.get("late"):
@@ -468,10 +504,12 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         What the trainer keeps is how far it got: batches pulled and acknowledged, and the last
         acknowledged ids. Lightning saves checkpoints after a step's ack, so a checkpoint never
         holds a batch pulled and not acknowledged; batches acknowledged after the checkpoint
-        were trained into weights a crash lost, and the resumed trainer trains on new ones.
+        were trained into weights a crash lost, and the resumed trainer trains on new ones --
+        so the checkpoint also keeps its optimizer ``step``, which a resumed trainer reports
+        (``POST /v1/trainer/resumed``) for the dataflow to count those acks as rolled back.
         """
         return {"batches_pulled": self.n_pulled, "batches_acknowledged": self.n_acknowledged,
-                "last_acknowledged": list(self.acknowledged)[-32:]}
+                "last_acknowledged": list(self.acknowledged)[-32:], "step": self._global_step()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pulled_before = int(state_dict.get("batches_pulled", 0))
@@ -480,6 +518,8 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         self.n_acknowledged = int(state_dict.get("batches_acknowledged", 0))
         self.acknowledged.clear()
         self.acknowledged.extend(str(b) for b in state_dict.get("last_acknowledged", []))
+        step = state_dict.get("step")
+        self._resumed_step = int(step) if isinstance(step, int) and step >= 0 else None
         rank_zero_info(f"{self.model_id}: resumed after {self.n_acknowledged} acknowledged "
                        f"batches (last {self.acknowledged[-1] if self.acknowledged else None})")
 

@@ -658,7 +658,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
     try:
         report = run.audit()
         out.update({k: report[k] for k in ("tasks_issued", "samples_accepted", "samples_trained",
-                                           "samples_lost", "duplicates_trained", "balanced")})
+                                           "samples_lost", "duplicates_trained",
+                                           "samples_rolled_back", "balanced")})
         out["audit"] = {k: report[k] for k in ("tasks", "tasks_pending", "samples_filtered",
                                                "samples_stale", "samples_pending", "batches",
                                                "mismatches")}

@@ -620,16 +620,27 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
                         headers={ACK_TIMEOUT_HEADER: f"{config.batch_ack_timeout_s:g}"})
 
     def _ack(data: bytes) -> dict:
-        msg = decode_map(data, limit, ("batch_id", "wait_s", "step_s"))
+        msg = decode_map(data, limit, ("batch_id", "wait_s", "step_s", "step"))
         timings = {k: field(msg, k, (int, float), None) for k in ("wait_s", "step_s")}
         for k, v in timings.items():
             if v is not None and not 0 <= v < MAX_SECONDS:
                 raise ServiceError(422, k, f"must be seconds in [0, 1e7), got {v}")
-        return core.ack(id_field(msg, "batch_id"), **timings)
+        step = int_field(msg, "step", 0, MAX_VERSION, None)
+        return core.ack(id_field(msg, "batch_id"), **timings, step=step)
 
     @app.post("/v1/ack")
     async def ack(request: Request):
         return msgpack_response(await run_in_threadpool(_ack, await read_body(request, limit)))
+
+    def _resumed(data: bytes) -> dict:
+        msg = decode_map(data, limit, ("model_id", "step"))
+        return core.trainer_resumed(id_field(msg, "model_id"),
+                                    int_field(msg, "step", 0, MAX_VERSION))
+
+    @app.post("/v1/trainer/resumed")
+    async def trainer_resumed(request: Request):
+        """A trainer restarted from a checkpoint at ``step``: its acks after it are rolled back."""
+        return msgpack_response(await run_in_threadpool(_resumed, await read_body(request, limit)))
 
     def _extend(data: bytes) -> dict:
         return core.extend_batch(id_field(decode_map(data, limit, ("batch_id",)), "batch_id"))

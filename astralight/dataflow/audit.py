@@ -57,9 +57,14 @@ Definitions (what :func:`audit` returns):
 * ``mismatches``: every place where the row ledger and the counter ledger disagree.
 * ``balanced``: no lost task, ``samples_lost == 0``, ``duplicates_trained == 0`` and no mismatch.
 
+* ``batches_rolled_back`` / ``samples_rolled_back``: acked batches whose training a trainer's
+  restart from an older checkpoint discarded (the resumed trainer reports its checkpoint's step;
+  acks after it are marked, ``core.Dataflow.trainer_resumed``). They still count as trained (the
+  versions published from them were served); these figures say how much training was redone,
+  and the ``samples_rolled_back`` counter must match the marked batches.
+
 What the database cannot show: a batch trained but never acked (a trainer killed after its step)
-is re-served after the ack timeout and trained again, and acks sent after a trainer's last
-checkpoint are undone by a restart from that checkpoint; both are the trainer's resume contract.
+is re-served after the ack timeout and trained again (the trainer's resume contract).
 """
 
 from __future__ import annotations
@@ -192,6 +197,7 @@ def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
         " WHERE r.state='acked' GROUP BY b.model_id")})
 
     # ---- the two ledgers, per model_id
+    rolled_back = _rolled_back(conn)
     model_ids = sorted(set(counters) | set(rows_by_model) | set(duplicates) | set(lost_expected))
     mismatches: list[str] = []
     lost_by_model: dict[str, int] = {}
@@ -207,7 +213,9 @@ def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
                   ("samples_trained", ctr(m, "samples_trained"), st["acked"] + acked_replays[m],
                    "acked rows + acked replays"),
                   ("samples_trained_twice", ctr(m, "samples_trained_twice"), duplicates[m],
-                   "duplicates found in acked batches"))
+                   "duplicates found in acked batches"),
+                  ("samples_rolled_back", ctr(m, "samples_rolled_back"), rolled_back[m][1],
+                   "samples of batches marked rolled back"))
         for name, counted, found, what in checks:
             if counted != found:
                 mismatches.append(f"{m}: counter {name}={counted} but {what}={found}")
@@ -252,9 +260,23 @@ def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
         "late_acks": sum(ctr(m, "late_acks") for m in model_ids),
         "late_acks_after_reserve": sum(ctr(m, "late_acks_after_reserve") for m in model_ids),
         "batches": dict(batch_states),
+        "batches_rolled_back": sum(b for b, _ in rolled_back.values()),
+        "samples_rolled_back": sum(n for _, n in rolled_back.values()),
         "mismatches": mismatches,
         "balanced": not lost_tasks and samples_lost == 0 and dup == 0 and not mismatches,
     }
+
+
+def _rolled_back(conn: sqlite3.Connection) -> defaultdict[str, tuple[int, int]]:
+    """Per model_id, (batches, samples) marked rolled back (a trainer resumed from a checkpoint
+    older than their acks); nothing for a database written before the column existed."""
+    out: defaultdict[str, tuple[int, int]] = defaultdict(lambda: (0, 0))
+    if "rolled_back_at" not in {r["name"] for r in conn.execute("PRAGMA table_info(batches)")}:
+        return out
+    for r in conn.execute("SELECT model_id, COUNT(*) AS b, SUM(n) AS k FROM batches"
+                          " WHERE rolled_back_at IS NOT NULL GROUP BY model_id"):
+        out[r["model_id"]] = (int(r["b"]), int(r["k"] or 0))
+    return out
 
 
 def format_report(report: dict) -> str:
@@ -273,6 +295,8 @@ def format_report(report: dict) -> str:
         f"samples lost: {report['samples_lost']}, duplicates trained: "
         f"{report['duplicates_trained']} ({report.get('duplicates_counted', 0)} counted by "
         f"{report.get('late_acks_after_reserve', 0)} late acks of re-served batches)",
+        f"rolled back by trainer restarts: {report.get('batches_rolled_back', 0)} batches "
+        f"({report.get('samples_rolled_back', 0)} samples) trained into weights a crash discarded",
     ]
     lines += [f"mismatch: {m}" for m in report["mismatches"]]
     return "\n".join(lines)

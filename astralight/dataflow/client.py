@@ -255,17 +255,28 @@ class DataflowClient:
         out = decode(resp.content)
         return None if out is None else expect(out, Batch, "batch")
 
-    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> dict:
+    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None,
+            step: int | None = None) -> dict:
         """Acknowledge a trained batch; a trainer also reports how long it waited for the batch
         and its whole step took (the balance report's trainer wait fraction).
 
         Returns the service's answer: ``{acked, already, samples, ...}``; for a batch the
         service had re-queued (a late ack) also ``late``, ``taken_back``, ``trained_twice`` and,
-        when samples were trained twice, a ``warning`` to log."""
+        when samples were trained twice, a ``warning`` to log. ``step``: the trainer's optimizer
+        step count after this batch (see :meth:`trainer_resumed`)."""
         body: dict = {"batch_id": batch_id}
         if wait_s is not None and step_s is not None:
             body.update(wait_s=float(wait_s), step_s=float(step_s))
+        if step is not None:
+            body["step"] = int(step)
         return self._call("POST", "/v1/ack", body)
+
+    def trainer_resumed(self, model_id: str, step: int) -> dict:
+        """Say that a trainer of ``model_id`` restarted from a checkpoint taken after optimizer
+        step ``step``: the service marks the batches acked after it as rolled back (their
+        training was lost with the crash). Returns ``{model_id, step, batches_rolled_back,
+        samples_rolled_back}``."""
+        return self._call("POST", "/v1/trainer/resumed", {"model_id": model_id, "step": int(step)})
 
     def extend_batch(self, batch_id: str) -> dict:
         """Keep a pulled, not yet acknowledged batch from being re-queued: its ack deadline moves

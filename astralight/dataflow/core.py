@@ -58,7 +58,9 @@ COUNTERS = ("tasks_issued", "tasks_reissued", "eval_tasks_issued", "eval_tasks_r
             # batch keep-alives; acks of batches already re-queued (a trainer frozen past
             # batch_ack_timeout_s), those whose samples had been served again meanwhile, and
             # the samples those trained a second time (what the audit reports as duplicates)
-            "batches_extended", "late_acks", "late_acks_after_reserve", "samples_trained_twice")
+            "batches_extended", "late_acks", "late_acks_after_reserve", "samples_trained_twice",
+            # acked batches whose training a trainer's restart from an older checkpoint undid
+            "batches_rolled_back", "samples_rolled_back")
 #: the generic curator safety valve never scans more than this many prompts for one task
 MAX_CURATOR_SKIPS = 10_000
 
@@ -761,9 +763,13 @@ class Dataflow:
             log.info("dropped %d stale samples of %s (current version %d, max_staleness %d)",
                      len(dropped), model_id, self.versions[model_id], self.config.max_staleness)
 
-    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None) -> dict:
+    def ack(self, batch_id: str, wait_s: float | None = None, step_s: float | None = None,
+            step: int | None = None) -> dict:
         """Mark a batch trained. ``wait_s`` / ``step_s``: the trainer's wait for this batch and
         its whole step, counted (in ms) at the current version for the balance report.
+        ``step``: the trainer's optimizer step count after this batch (kept, so that a trainer
+        resuming from an older checkpoint can say which acks its restart undid:
+        :meth:`trainer_resumed`).
 
         A **late ack** (the batch was re-queued: neither acked nor extended within
         ``batch_ack_timeout_s``, which with the datamodule's keep-alive means the trainer was
@@ -790,6 +796,8 @@ class Dataflow:
             with self.store.tx():
                 self.store.set_sample_state(ids, "acked")
                 self.store.set_batch_state(batch_id, "acked", time.time())
+                if step is not None:
+                    self.store.set_acked_step(batch_id, step)
                 n_replayed = self.store.set_replay_state(batch_id, "acked")
                 self._bump(mid, "samples_acked", len(ids))
                 self._bump(mid, "samples_trained", len(ids) + n_replayed)
@@ -826,6 +834,32 @@ class Dataflow:
                                 "samples were still queued and are taken back", batch_id, mid,
                                 row["trainer_id"], len(ids))
             return out
+
+    def trainer_resumed(self, model_id: str, step: int, now: float | None = None) -> dict:
+        """A trainer of ``model_id`` restarted from a checkpoint taken after optimizer step
+        ``step``: the batches it acked after that step were trained into weights the crash
+        discarded. They stay acked (nothing is re-served: the versions published from them were
+        generated with and may be in use, so training them again would count them twice in the
+        run's history), and are marked rolled back and counted (``batches_rolled_back``,
+        ``samples_rolled_back``: fresh and replayed samples), so the audit can say how much
+        training a restart cost instead of calling it trained. Acks carrying no step (older
+        trainers) are never marked. Idempotent: a batch is marked once.
+        """
+        mid = self._model(model_id, "model_id")
+        now = time.time() if now is None else now
+        with self.lock:
+            with self.store.tx():
+                rows = self.store.roll_back_batches(mid, step, now)
+                samples = sum(int(r["n"]) for r in rows)
+                if rows:
+                    self._bump(mid, "batches_rolled_back", len(rows))
+                    self._bump(mid, "samples_rolled_back", samples)
+        if rows:
+            log.warning("%s resumed at step %d: %d batches (%d samples) acked after that step were "
+                        "trained into weights the restart discarded (counted as rolled back): %s",
+                        mid, step, len(rows), samples, [r["batch_id"] for r in rows][:8])
+        return {"model_id": mid, "step": step, "batches_rolled_back": len(rows),
+                "samples_rolled_back": samples}
 
     def extend_batch(self, batch_id: str, now: float | None = None) -> dict:
         """Keep-alive of a served batch: its ack timeout counts again from ``now`` (durable).

@@ -50,7 +50,8 @@ CREATE INDEX IF NOT EXISTS samples_batch ON samples(batch_id);
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, trainer_id TEXT,
     policy_version INTEGER NOT NULL, n INTEGER NOT NULL, state TEXT NOT NULL,
-    served_at REAL NOT NULL, acked_at REAL, renewed_at REAL);
+    served_at REAL NOT NULL, acked_at REAL, renewed_at REAL, acked_step INTEGER,
+    rolled_back_at REAL);
 CREATE INDEX IF NOT EXISTS batches_state ON batches(state, served_at);
 CREATE TABLE IF NOT EXISTS versions (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, manifest BLOB NOT NULL,
@@ -99,7 +100,7 @@ MIGRATIONS = {
                   ("reported_in_flight", "INTEGER")],
     "tasks": [("leased_at", "REAL")],
     # last keep-alive of a served batch (POST /v1/batches/extend); NULL: never extended
-    "batches": [("renewed_at", "REAL")],
+    "batches": [("renewed_at", "REAL"), ("acked_step", "INTEGER"), ("rolled_back_at", "REAL")],
 }
 
 
@@ -434,6 +435,20 @@ class Store:
         return self.conn.execute("SELECT * FROM batches WHERE state='served' AND"
                                  " COALESCE(renewed_at, served_at)<? ORDER BY served_at",
                                  (cutoff,)).fetchall()
+
+    def set_acked_step(self, batch_id: str, step: int) -> None:
+        """The trainer's optimizer step count after training this batch (inside the ack's tx)."""
+        self.conn.execute("UPDATE batches SET acked_step=? WHERE batch_id=?", (step, batch_id))
+
+    def roll_back_batches(self, model_id: str, after_step: int, now: float) -> list[sqlite3.Row]:
+        """Mark ``model_id``'s acked batches trained after optimizer step ``after_step`` (and not
+        marked yet) as rolled back at ``now``; returns them (inside the caller's tx)."""
+        rows = self.conn.execute("SELECT * FROM batches WHERE model_id=? AND state='acked' AND"
+                                 " acked_step>? AND rolled_back_at IS NULL ORDER BY acked_at",
+                                 (model_id, after_step)).fetchall()
+        self.conn.executemany("UPDATE batches SET rolled_back_at=? WHERE batch_id=?",
+                              [(now, r["batch_id"]) for r in rows])
+        return rows
 
     def renew_batch(self, batch_id: str, now: float) -> None:
         """A keep-alive: the batch's ack timeout counts from ``now`` (inside the caller's tx)."""

@@ -19,7 +19,8 @@ One JSON line per scenario on stdout (progress on stderr):
 * ``scenario``; ``completed``: the trainer exited 0 with the dataflow at the target version;
 * ``tasks_issued``, ``samples_accepted``, ``samples_trained``, ``samples_lost`` (must be 0),
   ``duplicates_trained`` (must be 0), ``balanced``: the audit's figures (definitions in
-  :mod:`astralight.dataflow.audit`);
+  :mod:`astralight.dataflow.audit`); ``samples_rolled_back``: samples of batches acked after
+  the checkpoint a killed trainer resumed from (their training was redone);
 * ``recovery_s``: seconds from the fault being cleared (the kill -- the restart follows at once;
   the link healed; the disk freed; the last garbage push answered) until samples are accepted,
   batches trained and weights published again (the latest of the three firsts, from the
@@ -51,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 from tests.fault_harness import SCENARIOS, Settings, log, prepare_model, run_scenario  # noqa: E402
 
 LINE_KEYS = ("scenario", "completed", "tasks_issued", "samples_accepted", "samples_trained",
-             "samples_lost", "duplicates_trained", "recovery_s", "recovery_push_s",
+             "samples_lost", "duplicates_trained", "samples_rolled_back", "recovery_s",
+             "recovery_push_s",
              "recovery_train_s", "recovery_publish_s", "fault_s", "balanced", "final_version",
              "trainer_rc", "wall_s", "error", "detail", "audit")
 

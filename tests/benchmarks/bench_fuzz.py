@@ -139,8 +139,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "/v1/lease": {"instance_id": "str", "max_tasks": "int"},
     "/v1/push": {"instance_id": "str", "task_id": "str", "samples": "list"},
     "/v1/pull": {"model_id": "str", "size": "int", "timeout_s": "num", "trainer_id": "str"},
-    "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num"},
+    "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num", "step": "int"},
     "/v1/batches/extend": {"batch_id": "str"},
+    "/v1/trainer/resumed": {"model_id": "str", "step": "int"},
 }
 BODY_ROUTES = list(SCHEMAS) + ["/v1/publish"]
 
@@ -157,7 +158,8 @@ def base_body(ctx: Context, path: str) -> dict:
         "/v1/lease": {"instance_id": ctx.instance_id, "max_tasks": 0},
         "/v1/push": push_env(ctx, valid_group(ctx))["body"],
         "/v1/pull": {"model_id": ctx.model_id, "size": 1, "timeout_s": 0.0, "trainer_id": "t"},
-        "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2},
+        "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2, "step": 1},
+        "/v1/trainer/resumed": {"model_id": ctx.model_id, "step": 10**6},
         "/v1/batches/extend": {"batch_id": "no-such-batch"},
         "/v1/publish": raw(manifest(ctx, ctx.version + 1))["body"],
     }[path]
@@ -341,6 +343,10 @@ def gen_negative_size(rng: random.Random, ctx: Context) -> BadRequest:
         return BadRequest("negative_size", "POST", "/v1/heartbeat", pack(envelope(body)),
                           dict(MSGPACK))
     if how == 4:
+        if rng.random() < 0.3:  # a negative or oversized optimizer step
+            path = rng.choice(["/v1/ack", "/v1/trainer/resumed"])
+            body = base_body(ctx, path) | {"step": rng.choice([-1, -(2**63), 2**63, 2**64 - 1])}
+            return BadRequest("negative_size", "POST", path, pack(envelope(body)), dict(MSGPACK))
         body = base_body(ctx, "/v1/ack") | {rng.choice(["wait_s", "step_s"]):
                                             rng.choice([-1, -0.5, 1e7, 1e300, float("nan")])}
         return BadRequest("negative_size", "POST", "/v1/ack", pack(envelope(body)), dict(MSGPACK))
@@ -404,6 +410,10 @@ def gen_unknown_model(rng: random.Random, ctx: Context) -> BadRequest:
     if how == 4:
         return BadRequest("unknown_model", "PUT", f"/v1/weights/{_seg(g)}/{ctx.version + 1}/m.bin",
                           b"weights")
+    if how == 5:
+        body = base_body(ctx, "/v1/trainer/resumed") | {"model_id": g}
+        return BadRequest("unknown_model", "POST", "/v1/trainer/resumed", pack(envelope(body)),
+                          dict(MSGPACK))
     route = rng.choice([f"/v1/eval/{_seg(g)}", f"/v1/balance/{_seg(g)}", f"/v1/counters/{_seg(g)}",
                         f"/v1/version/{_seg(g)}", f"/v1/manifest/{_seg(g)}/latest",
                         f"/v1/manifest/{_seg(g)}/1", f"/v1/weights/{_seg(g)}/1/{ctx.file_name}"])
@@ -597,6 +607,7 @@ def gen_auth(rng: random.Random, ctx: Context) -> BadRequest:
         ("POST", "/v1/lease", encode({"instance_id": ctx.instance_id, "max_tasks": 1})),
         ("POST", "/v1/register", encode({"model_ids": [ctx.model_id], "capacity": 1})),
         ("POST", "/v1/batches/extend", encode({"batch_id": "no-such-batch"})),
+        ("POST", "/v1/trainer/resumed", encode({"model_id": ctx.model_id, "step": 10**6})),
         ("POST", f"/v1/instances/{ctx.instance_id}/drain", None),
         ("GET", "/v1/nope", None)])
     headers = dict(MSGPACK) if body is not None else {}
@@ -651,6 +662,9 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
                           "negative_size", "pickle_or_ext", "oversized"),
     ("POST", "/v1/batches/extend"): ("garbage", "malformed_msgpack", "wrong_type",
                                      "unknown_field", "pickle_or_ext", "oversized", "auth"),
+    ("POST", "/v1/trainer/resumed"): ("garbage", "malformed_msgpack", "wrong_type",
+                                      "unknown_field", "negative_size", "unknown_model",
+                                      "pickle_or_ext", "oversized", "auth"),
     ("GET", "/v1/version/{model_id}"): ("unknown_model", "auth"),
     ("PUT", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
                                                          "out_of_order_version", "oversized",

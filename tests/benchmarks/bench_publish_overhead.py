@@ -91,7 +91,7 @@ class PooledBatches:
         return Batch(batch_id=f"b{self.served}", model_id=b.model_id,
                      policy_version=b.policy_version, samples=b.samples)
 
-    def ack(self, batch_id, wait_s=None, step_s=None):
+    def ack(self, batch_id, wait_s=None, step_s=None, step=None):
         pass
 
     def close(self):

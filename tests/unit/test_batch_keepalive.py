@@ -123,7 +123,8 @@ def test_a_database_from_before_keepalive_opens_and_its_batches_time_out(tmp_pat
     from served_at as before."""
     path = tmp_path / "state" / "dataflow.db"
     path.parent.mkdir(parents=True)
-    old = SCHEMA.replace("acked_at REAL, renewed_at REAL)", "acked_at REAL)")
+    old = SCHEMA.replace("acked_at REAL, renewed_at REAL, acked_step INTEGER,\n    rolled_back_at REAL)",
+                         "acked_at REAL)")
     assert old != SCHEMA
     conn = sqlite3.connect(path)
     conn.executescript(old)

@@ -83,7 +83,7 @@ class FakeDataflowClient:
         self.served.append(batch.batch_id)
         return batch
 
-    def ack(self, batch_id, wait_s=None, step_s=None):
+    def ack(self, batch_id, wait_s=None, step_s=None, step=None):
         step = self.trainer.global_step if self.trainer is not None else None
         self.acks.append((batch_id, step))
 
