@@ -19,12 +19,10 @@ Sharded trainers (``ModelParallelStrategy``, FSDP2) do not go through a Checkpoi
 default ``save_distributed_checkpoint=True`` the strategy writes ``last.ckpt`` as a
 ``torch.distributed.checkpoint`` *folder* (one shard file per rank plus ``meta.pt`` with the
 loops', callbacks' -- publisher, datamodule -- and module's other state), and ``--ckpt_path last``
-restores it, weights and AdamW state sharded (tests/integration/test_fsdp2_fit.py). That folder is
-written in place, so it is *not* atomic: a trainer killed during a save can leave a torn
-``last.ckpt/``; keep ``save_top_k``/step-named checkpoints to fall back on. (With
-``save_distributed_checkpoint=False`` rank 0 gathers the full weights and optimizer state and
-this plugin writes them atomically (per Lightning's code; not tested here), at the cost of the
-whole model and AdamW state in rank 0's CPU memory.)
+restores it, weights and AdamW state sharded (tests/integration/test_fsdp2_fit.py). Lightning
+writes that folder in place (not atomic), so :func:`install` upgrades a plain
+``ModelParallelStrategy`` to :class:`astralight.fsdp2_strategy.FSDP2Strategy`, which writes each
+checkpoint into a new folder and swaps a ``last.ckpt`` link to it atomically.
 """
 
 from __future__ import annotations
@@ -93,8 +91,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def install(trainer: Any) -> bool:
     """Give ``trainer``'s strategy an :class:`AtomicCheckpointIO` unless a checkpoint IO was
     chosen (``plugins``, or the strategy's own; the plain default ``TorchCheckpointIO`` is
-    replaced); returns whether it did."""
+    replaced); returns whether it did. A plain ``ModelParallelStrategy`` also becomes
+    :class:`astralight.fsdp2_strategy.FSDP2Strategy` (atomic distributed checkpoint folders)."""
     strategy = trainer.strategy
+    from astralight.fsdp2_strategy import upgrade
+
+    if upgrade(strategy):
+        log.info("ModelParallelStrategy: distributed checkpoints are written atomically "
+                 "(astralight.fsdp2_strategy.FSDP2Strategy)")
     current = getattr(strategy, "_checkpoint_io", None)
     if current is not None and type(current) is not TorchCheckpointIO:  # a deliberate choice
         return False

@@ -530,9 +530,9 @@ def fit(folder: Path, url: str, batches: list[dict], prof: dict, device: str, se
 
     strategy = settings["strategy"]
     if strategy in ("fsdp2", "fsdp"):  # FSDP2; "fsdp" kept as an alias (FSDP1 is refused)
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from astralight.fsdp2_strategy import FSDP2Strategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        strategy = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1)
     publisher = WeightPublisher(dataflow_url=url, every_n_steps=1, full_every=10)
     probe = Probe(publisher)
     module = M2POPolicy(model_path=str(folder), model_id=model_id, loss="m2po", m2_threshold=0.01,

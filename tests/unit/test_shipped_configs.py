@@ -110,7 +110,8 @@ def test_trainer_strategy_can_train_a_policy(path):
     strategy = trainer.get("strategy")
     name = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
     assert "FSDPStrategy" not in name and name.lower() not in ("fsdp", "fsdp_cpu_offload")
-    if name.endswith("ModelParallelStrategy"):
+    assert not name.endswith("ModelParallelStrategy"), "use astralight.fsdp2_strategy.FSDP2Strategy"
+    if name.endswith("FSDP2Strategy"):
         args = strategy.get("init_args", {})
         gpus = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
         assert args.get("data_parallel_size") == gpus and args.get("tensor_parallel_size") == 1
