@@ -44,18 +44,12 @@ from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from astralight.checkpoint_io import fsync_dir as _fsync  # (open read-only + fsync: files too)
+
 log = logging.getLogger(__name__)
 
 #: how a checkpoint's own folder is named next to its link: ``last.ckpt.d-1a2b3c4d5e6f``
 FOLDER_INFIX = ".d-"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
