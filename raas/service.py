@@ -53,6 +53,9 @@ HARD_STOP_CALLS_S = 10.0
 """How long a hard stop waits for its return and deregister calls before exiting anyway."""
 GOODBYE_RETRY_S = 10.0
 """How long the last calls (return, deregister) wait for an unreachable dataflow."""
+DRAIN_UNREACHABLE_S = 10.0
+"""A drain whose dataflow stays unreachable this long becomes a hard stop (nothing it finishes
+could be delivered; the dataflow re-issues the leases when they expire)."""
 
 
 @dataclass
@@ -119,6 +122,7 @@ class RaaSService:
         self._registrations = 0  # bumped by every successful register (rejoin guard)
         self.draining = False
         self.drain_reason = ""
+        self.drain_unreachable_s = DRAIN_UNREACHABLE_S
         self._hard_stop = threading.Event()
         self._hard_stop_done = threading.Event()
         self._drain_timer: threading.Timer | None = None
@@ -568,6 +572,41 @@ class RaaSService:
         timer.daemon = True
         self._drain_timer = timer
         timer.start()
+        threading.Thread(target=self._watch_drain, name="raas-drain-watch", daemon=True).start()
+
+    def _watch_drain(self, interval_s: float = 1.0) -> None:
+        """While a drain runs, probe the dataflow every ``interval_s`` (one attempt, short
+        timeout); unreachable for :data:`DRAIN_UNREACHABLE_S` in a row -> hard stop.
+
+        Why: when a whole run stops at once (its launcher killed, a node going down) the
+        dataflow is gone too, and each push of a finishing task would retry it for the client's
+        ``retry_s`` (60 s) in turn: the drain would hold the GPU for minutes, up to
+        ``drain_timeout_s``, to deliver nothing. An error answer counts as reachable."""
+        from astralight.dataflow.client import DataflowUnreachable
+
+        client = self.client_factory()
+        if not callable(getattr(client, "info", None)):
+            return
+        for name, cap in (("retry_s", 0.0), ("timeout", 2.0)):
+            if isinstance(getattr(client, name, None), (int, float)):
+                setattr(client, name, min(getattr(client, name), cap))
+        since = None
+        try:
+            while not self._hard_stop.wait(interval_s) and not self._left:
+                try:
+                    client.info()
+                    since = None
+                except DataflowUnreachable as exc:
+                    since = since if since is not None else time.monotonic()
+                    if time.monotonic() - since >= self.drain_unreachable_s:
+                        self.hard_stop(f"the dataflow has been unreachable for "
+                                       f"{self.drain_unreachable_s:g} s during the drain ({exc})")
+                        return
+                except Exception:  # noqa: BLE001 - an answer, even an error: it is there
+                    since = None
+        finally:
+            if client is not self.client and callable(getattr(client, "close", None)):
+                client.close()
 
     def hard_stop(self, reason: str) -> None:
         """Return every in-flight task, deregister and exit ``HARD_STOP_EXIT`` now.

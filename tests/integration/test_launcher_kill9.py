@@ -40,6 +40,13 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 def test_kill9_of_the_launcher_stops_every_component(tmp_path):
     recipe = shortened_toy_recipe(tmp_path, versions=100000, batch_size=16)  # never finishes
     run_dir = tmp_path / "run"
@@ -60,10 +67,17 @@ def test_kill9_of_the_launcher_stops_every_component(tmp_path):
         procs = sorted({p for pid in pids.values() for p in group_members(pid)} | set(pids.values()))
         assert not any(gone(p) for p in procs)
 
+        names = {p: cmdline(p) for p in procs}
         launcher.kill()
         launcher.wait()
-        wait_for(lambda: all(gone(p) for p in procs), "every component of the killed launcher "
-                 "to exit", timeout=90)
+        try:
+            wait_for(lambda: all(gone(p) for p in procs), "every component of the killed "
+                     "launcher to exit", timeout=90)
+        except AssertionError as exc:
+            left = {p: names[p] for p in procs if not gone(p)}
+            logs = {f.name: f.read_text(errors="replace")[-1500:]
+                    for f in sorted((run_dir / "logs").glob("*.log"))}
+            raise AssertionError(f"{exc}; still running: {left}; logs: {logs}") from None
         assert running_components(run_dir) == {}  # `astralight run --resume` may go on
         log = (run_dir / "logs" / "trainer-policy.log").read_text(errors="replace")
         assert "KeyboardInterrupt" in log or "graceful shutdown" in log  # stopped by SIGINT

@@ -593,3 +593,41 @@ def test_a_cycle_that_fails_before_generating_returns_its_tasks():
     finally:
         svc.close()
     assert flow.returned == [("t0", False), ("t1", False)] and svc.in_flight_count() == 0
+
+
+class GoneDataflow(FakeDataflow):
+    """A dataflow that stops answering once ``gone`` is set (the whole run was killed)."""
+
+    gone = False
+
+    def info(self):
+        from astralight.dataflow.client import DataflowUnreachable
+
+        if self.gone:
+            raise DataflowUnreachable("dataflow at mem:// unreachable for 0 s: refused")
+        return {"model_ids": ["policy"]}
+
+
+def test_a_drain_whose_dataflow_is_gone_becomes_a_hard_stop():
+    flow = GoneDataflow([_task(i) for i in range(6)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0)
+    svc.drain_unreachable_s = 0.5
+    exits = []
+    svc._exit = exits.append
+    svc.start()
+    codes = []
+    server = threading.Thread(target=lambda: codes.append(svc.serve()))
+    server.start()
+    try:
+        _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")
+        svc.drain("test")  # would wait out the 600 s delay (drain_timeout_s: 120 s)
+        time.sleep(1.5)
+        assert server.is_alive() and not exits  # the dataflow answers: the drain goes on
+        flow.gone = True
+        server.join(timeout=30)
+        assert not server.is_alive()
+    finally:
+        svc.close()
+    assert codes == exits == [130]
+    assert "unreachable for 0.5 s during the drain" in out.getvalue()
+
