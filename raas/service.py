@@ -15,8 +15,9 @@ nothing it holds waits for a lease to expire when it can say so at once:
 * drain (first SIGTERM / SIGINT, or the dataflow's drain route seen through the heartbeat):
   stop leasing, let the cycles in flight finish and push, return leased tasks not yet
   started, deregister, exit 0;
-* hard stop (a second signal, or a drain still running after ``drain_timeout_s``): return
-  every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
+* hard stop (a second signal, a drain still running after ``drain_timeout_s``, or a drain
+  whose dataflow has been unreachable for ``DRAIN_UNREACHABLE_S``): return every in-flight
+  task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
 * a workflow exception returns the cycle's tasks as failed; tasks of another workflow are
   returned unfailed for an instance that runs it;
 * rejoin: a heartbeat, lease or push answered 404 for this instance (a dataflow restarted,
