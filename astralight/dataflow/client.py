@@ -125,32 +125,27 @@ class DataflowClient:
             content, hdrs["Content-Type"] = encode(body), MSGPACK
         elif raw is not None:
             content, hdrs["Content-Type"] = raw, "application/octet-stream"
-            if len(raw) > UPLOAD_CHUNK_BYTES:
-                hdrs["Content-Length"] = str(len(raw))
+        sliced = raw is not None and len(raw) > UPLOAD_CHUNK_BYTES
+        if sliced:
+            hdrs["Content-Length"] = str(len(raw))
         deadline = time.monotonic() + self.retry_s
         delay = 0.1
         while True:
             try:
-                if raw is not None and len(raw) > UPLOAD_CHUNK_BYTES:
+                if sliced:
                     content = _chunks(raw)  # a fresh iterator per attempt
                 resp = self._http.request(method, path, content=content, headers=hdrs,
                                           timeout=timeout or self.timeout)
                 break
-            except httpx.ConnectError as exc:
-                if isinstance(exc.__context__, ssl.SSLCertVerificationError) or \
-                        "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            except httpx.TransportError as exc:
+                if isinstance(exc, httpx.ConnectError) and (
+                        isinstance(exc.__context__, ssl.SSLCertVerificationError)
+                        or "CERTIFICATE_VERIFY_FAILED" in str(exc)):
                     # retrying cannot fix a certificate the client does not trust
                     raise DataflowError(None, f"TLS: the certificate of {self.url} is not trusted "
                                               f"({exc}); pass ca_file= or set ASTRALIGHT_CA_FILE to "
                                               "the PEM of the CA that signed it",
                                         field="ca_file") from exc
-                if time.monotonic() + delay > deadline:
-                    raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
-                                              f"{self.retry_s:.0f} s: {type(exc).__name__}: {exc}"
-                                              ) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except httpx.TransportError as exc:
                 if time.monotonic() + delay > deadline:
                     raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
                                               f"{self.retry_s:.0f} s: {type(exc).__name__}: {exc}"

@@ -28,6 +28,7 @@ import pytest
 
 from astralight.dataflow.client import DataflowClient
 from astralight.proc import PDEATHSIG_SUPPORTED
+from tests.unit.test_proc import gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,26 +69,6 @@ DRIVER = textwrap.dedent("""
     backends.LocalProcessBackend.__init__ = patched
     sys.exit(main(sys.argv[1:]))
 """)
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def table(client: DataflowClient) -> dict[str, dict]:
