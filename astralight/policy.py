@@ -93,16 +93,37 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
-    """Load a Hugging Face causal LM folder with float32 master weights (dropout off by default)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _causal_lm_config(model_path: str, disable_dropout: bool):
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     if disable_dropout:
         for name, value in list(vars(config).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(config, name, 0.0)
+    return config
+
+
+def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
+    """Load a Hugging Face causal LM folder with float32 master weights (dropout off by default)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _causal_lm_config(model_path, disable_dropout)
     model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    if disable_dropout:
+        _disable_dropout(model)
+    return model
+
+
+def empty_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
+    """The same model as :func:`load_causal_lm` built on the meta device: shapes, names and tied
+    weights without memory or weights (no file read). FSDP2 ranks other than zero start from it
+    and receive their shards from rank zero (:func:`astralight.fsdp2.shard_from_rank0`)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _causal_lm_config(model_path, disable_dropout)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if disable_dropout:
         _disable_dropout(model)
     return model
@@ -230,6 +251,9 @@ class RLPolicy(pl.LightningModule):
         # The reference model is kept out of the module tree: not trained, not checkpointed.
         self._ref: list[torch.nn.Module] = []
         self._sharded = False  # FSDP2: model (and reference) sharded in configure_model
+        #: where this rank's weights came from in configure_model: "file" (read from model_path)
+        #: or "rank0" (FSDP2 rank > 0: built on the meta device, shards broadcast from rank zero)
+        self.weights_source: str | None = None
         self._last_step_end: float | None = None
 
     # ------------------------------------------------------------------ model
@@ -256,7 +280,13 @@ class RLPolicy(pl.LightningModule):
             fsdp2.refuse_fsdp1(self.trainer.strategy)
             precision = self.trainer.precision
             mesh = fsdp2.data_parallel_mesh(self)
-        model = load_causal_lm(self.model_path, self.disable_dropout)
+        # Under FSDP2 only global rank zero reads the weights (one full copy in host memory per
+        # machine set, not per rank); the other ranks build on the meta device and receive their
+        # shards from it (fsdp2.shard_from_rank0).
+        reads = fsdp2.reads_weights(mesh)
+        build = load_causal_lm if reads else empty_causal_lm
+        model = build(self.model_path, self.disable_dropout)
+        self.weights_source = "file" if reads else "rank0"
         dtype = fsdp2.true_dtype(precision) if mesh is not None else None
         if dtype is not None:
             model.to(dtype)
@@ -270,12 +300,12 @@ class RLPolicy(pl.LightningModule):
                 torch.manual_seed(self.seed)
                 model = wrap_model(model, self.lora_spec)
         model.train()  # from_pretrained returns eval mode; dropout is already zeroed
-        if mesh is not None:  # shard before loading the reference: one full copy per rank at most
-            fsdp2.shard(model, mesh, precision)
+        if mesh is not None:  # shard before loading the reference: one full copy at most
+            fsdp2.shard_from_rank0(model, mesh, precision, self.trainer.strategy.root_device)
             self._sharded = True
         ref = None
         if self.kl_coef > 0 and not self._ref and self.lora_spec is None:
-            ref = load_causal_lm(self.model_path, disable_dropout=True).eval()
+            ref = build(self.model_path, disable_dropout=True).eval()
             ref.requires_grad_(False)
             if dtype is not None:
                 ref.to(dtype)
@@ -283,7 +313,7 @@ class RLPolicy(pl.LightningModule):
                 # The reference is sharded like the policy: a full frozen copy per rank would
                 # cost the memory FSDP saves (8B in fp32 is 32 GB); its forward all-gathers per
                 # layer (no grad, resharded after each layer).
-                fsdp2.shard(ref, mesh, precision)
+                fsdp2.shard_from_rank0(ref, mesh, precision, self.trainer.strategy.root_device)
         self.model = model
         if ref is not None:
             self._ref.append(ref)
@@ -311,9 +341,24 @@ class RLPolicy(pl.LightningModule):
 
     def save_pretrained(self, path: str) -> None:
         """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``);
-        a LoRA policy saves its adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        a LoRA policy saves its adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+        Under FSDP2 every rank must call it (the shards are gathered tensor by tensor into rank
+        zero's host memory) and rank zero writes the folder."""
         from transformers import AutoTokenizer
 
+        if self._sharded:
+            import torch.distributed as dist
+
+            from astralight.fsdp2 import full_state_dict
+
+            state = full_state_dict(self.model)
+            if dist.get_rank() == 0:
+                self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+                with contextlib.suppress(Exception):
+                    AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+            dist.barrier()
+            return
         self.model.save_pretrained(path, safe_serialization=True)
         with contextlib.suppress(Exception):
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)

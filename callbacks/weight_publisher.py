@@ -131,6 +131,7 @@ import torch
 from torch import Tensor
 
 from astralight.dataflow.client import LazyDataflowClient
+from astralight.fsdp2 import tied_aliases
 from astralight.weights import ArtifactBuilder
 from astralight.weights.publish_worker import (
     PublishBuilder,
@@ -399,6 +400,9 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
             state = gather_full_state_dict(root, self._module_prefix(pl_module, model))
             if not trainer.is_global_zero:
                 return None
+            # the gathered copies no longer share storage: drop tied names by the module's ties
+            aliases = tied_aliases(inner)
+            state = {k: v for k, v in state.items() if k not in aliases}
         else:
             if not trainer.is_global_zero:
                 return None

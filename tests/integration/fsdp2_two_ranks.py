@@ -5,9 +5,11 @@ tests/integration/test_fsdp2_fit.py (Lightning's launcher re-runs this file for 
 
 Rank r trains on batches ``2*i + r`` of :func:`rank_batches` (step i), M2PO with micro-batches,
 KL to the sharded reference, gradient checkpointing and a gradient clip that binds; the
-production WeightPublisher (thread worker, a fake dataflow on rank 0) publishes every step. At the
-end each rank writes what it holds (``rankR.json``: local vs full shape of every parameter) and
-rank 0 the gathered publish state and what the fake dataflow received (``rank0.pt``).
+production WeightPublisher (thread worker, a fake dataflow on rank 0) publishes every step. Only
+rank 0 reads the model folder; rank 1 builds on the meta device and receives its shards. At the
+end each rank writes what it holds (``rankR.json``: local vs full shape of every parameter, where
+its weights came from), rank 0 the gathered publish state and what the fake dataflow received
+(``rank0.pt``), and both ranks save the policy as a Hugging Face folder (``OUT_DIR/hf``).
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def main(model_dir: str, out_dir: str, lora: bool) -> None:
                       for n, p in pl_module.model.named_parameters()}
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
                 {"world_size": trainer.world_size, "shards": shards,
+                 "weights_source": pl_module.weights_source,
                  "ref_sharded": pl_module.ref_model is None or all(
                      isinstance(p, DTensor) for p in pl_module.ref_model.parameters())}))
             state = publisher.publish_state(trainer, pl_module)  # collective: every rank joins
+            pl_module.save_pretrained(str(out / "hf"))  # collective too
             if trainer.is_global_zero:
                 publisher.flush(120)
                 ws = WeightState()

@@ -201,13 +201,30 @@ def test_publisher_under_fsdp2_sends_what_unsharded_sends(tmp_path, variant, cle
             assert diff.max() <= 1 and (diff > 0).mean() < 0.01, name
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_ranks_shard_for_real_and_match_one_process(tiny_model_dir, tmp_path, lora):
-    """Two gloo ranks on CPU: each holds half of every parameter; the gathered / published /
-    received weights equal one process training on both ranks' batches at once."""
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny model with tied input/output embeddings (as Qwen3-0.6B and 1.7B have)."""
+    from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
+
+    return save_model_folder(build_model(TinyModelSpec(tie_word_embeddings=True)),
+                             build_tokenizer(), tmp_path_factory.mktemp("tied") / "model")
+
+
+@pytest.mark.parametrize("variant", ["full", "tied", "lora"])
+def test_two_ranks_shard_for_real_and_match_one_process(tiny_model_dir, tied_model_dir, tmp_path,
+                                                        variant):
+    """Two gloo ranks on CPU: each holds half of every parameter; only rank 0 read the model
+    folder (rank 1 got its shards by broadcast); the gathered / published / received / saved
+    weights equal one process training on both ranks' batches at once."""
     import json
 
+    from safetensors.torch import load_file
+
     from tests.integration.fsdp2_two_ranks import LORA, SETTINGS as TWO, STEPS, rank_batches
+
+    lora = variant == "lora"
+    if variant == "tied":
+        tiny_model_dir = tied_model_dir
 
     out = tmp_path / "out"
     out.mkdir()
@@ -221,6 +238,7 @@ def test_two_ranks_shard_for_real_and_match_one_process(tiny_model_dir, tmp_path
 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["weights_source"] for r in ranks] == ["file", "rank0"]
     assert all(r["ref_sharded"] for r in ranks)
     for name, s0 in ranks[0]["shards"].items():
         s1 = ranks[1]["shards"][name]
@@ -256,6 +274,29 @@ def test_two_ranks_shard_for_real_and_match_one_process(tiny_model_dir, tmp_path
     assert all(names == sorted(want) for _, _, names in result["manifests"])
     for name, t in got.items():
         assert np.array_equal(result["received"][name].numpy(), to_bf16_bits(t.to(torch.bfloat16)))
+
+    # save_pretrained under FSDP2: rank 0 wrote the gathered weights as a Hugging Face folder
+    saved_dir = out / "hf"
+    if lora:
+        saved = load_file(str(saved_dir / "adapter_model.safetensors"))
+        ref_dir = tmp_path / "ref_adapter"
+        ref.save_pretrained(str(ref_dir))
+        want_saved = load_file(str(ref_dir / "adapter_model.safetensors"))
+        assert (saved_dir / "adapter_config.json").is_file()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(saved_dir), dtype=torch.float32)
+        saved = loaded.state_dict()
+        want_saved = ref.model.state_dict()
+        tied = loaded.config.tie_word_embeddings
+        assert tied == (variant == "tied")
+        assert (loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()) \
+            == tied
+        assert (saved_dir / "tokenizer.json").is_file()
+    assert set(saved) == set(want_saved)
+    for name, w in want_saved.items():
+        torch.testing.assert_close(saved[name], w.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
 class _Norms(pl.Callback):
