@@ -8,6 +8,9 @@
     astralight autoscale --dataflow URL --raas-config X.yaml --min N --max N   grow or shrink
                                                  the RaaS pool from the balance report
     astralight report RUN_DIR [--out DIR]         plots and a text summary of a run folder
+    astralight export CKPT --out DIR [--model-path BASE] [--dtype bfloat16|float32|float16]
+                      [--merge-lora] [--force]   a trainer checkpoint (file or FSDP2 folder) as a
+                                                 Hugging Face model folder (or a LoRA adapter)
     astralight prepare-toy DIR                   build the toy recipe's warm-started tiny policy
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from astralight.report import main as report_main
 
         return report_main(rest) or 0
+    if command == "export":
+        from astralight.export import main as export_main
+
+        return export_main(rest) or 0
     if command == "prepare-toy":
         from astralight.tasks.warmstart import main as prepare_main
 
