@@ -98,13 +98,27 @@ class FSDP2Strategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` with atomic distributed checkpoints (see the module docstring).
 
     Args: as ``ModelParallelStrategy``, with ``data_parallel_size="auto"`` and
-    ``tensor_parallel_size=1`` by default.
+    ``tensor_parallel_size=1`` by default. ``"auto"`` data parallelism here means every process
+    of the trainer (``num_nodes x devices / tensor_parallel_size``): Lightning's own ``"auto"``
+    means ``num_nodes`` (it assumes tensor parallelism inside a node), which with
+    ``tensor_parallel_size=1`` fails its world-size check on any multi-GPU trainer.
     """
 
     def __init__(self, data_parallel_size: Any = "auto", tensor_parallel_size: Any = 1,
                  **kwargs: Any) -> None:
         super().__init__(data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size != "auto":
+            world = self.num_nodes * self.num_processes
+            tp = int(self._tensor_parallel_size)
+            if tp < 1 or world % tp:
+                raise ValueError(
+                    f"trainer.strategy.tensor_parallel_size: {tp} does not divide the trainer's "
+                    f"{world} processes (num_nodes x devices); astralight's policies use 1")
+            self._data_parallel_size = world // tp
+        super().setup_environment()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any = None) -> None:

@@ -30,7 +30,8 @@ the ratio on fresh data, agree.
 Distributed training
 --------------------
 DDP (``strategy: ddp``) for a model that fits on one GPU; for sharded training, FSDP2 through
-Lightning's ``ModelParallelStrategy`` (``data_parallel_size`` = GPUs, ``tensor_parallel_size: 1``):
+:class:`astralight.fsdp2_strategy.FSDP2Strategy` (Lightning's ``ModelParallelStrategy``;
+``data_parallel_size: auto`` = every GPU of the trainer, ``tensor_parallel_size: 1``):
 :meth:`RLPolicy.configure_model` shards the model (after the peft wrap) and the KL reference with
 ``fully_shard`` per decoder layer, the trainer's ``precision`` maps onto FSDP2's mixed precision
 (``bf16-mixed``: fp32 masters, bf16 all-gather/compute, fp32 reduce; see :mod:`astralight.fsdp2`),
@@ -410,8 +411,8 @@ class RLPolicy(pl.LightningModule):
         attention = batch["attention_mask"]
         mask = (batch["loss_mask"][:, 1:] > 0) & (attention[:, 1:] > 0)
         adv = batch["advantages"].float()
-        if self.normalize_advantages:
-            adv = batch_normalize(adv)
+        if self.normalize_advantages:  # over the global batch: every rank's share
+            adv = batch_normalize(adv, reduce_sum=all_reduce_sum)
         return {
             "input_ids": batch["input_ids"],
             "attention_mask": attention,

@@ -9,7 +9,7 @@ it trains on and broadcasts each sample's advantage to its loss-masked tokens.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -55,13 +55,21 @@ def group_normalized_advantages(
     return torch.where(count[idx] > 1, adv, torch.zeros_like(adv))
 
 
-def batch_normalize(advantages: Tensor, eps: float = 1e-6, mask: Tensor | None = None) -> Tensor:
-    """Renormalise advantages to zero mean, unit (population) std over the batch (or ``mask``)."""
+def batch_normalize(advantages: Tensor, eps: float = 1e-6, mask: Tensor | None = None,
+                    reduce_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Renormalise advantages to zero mean, unit (population) std over the batch (or ``mask``).
+
+    ``reduce_sum`` sums a tensor over the ranks that share the batch (e.g.
+    :func:`astralight.rl.m2po.all_reduce_sum`): with it the mean and std are those of the global
+    batch, not of this rank's share (two small all-reduces: the sum and count, then the squared
+    deviations from the global mean)."""
     a = advantages.float()
     m = torch.ones_like(a, dtype=torch.bool) if mask is None else mask.bool()
-    n = m.sum().clamp(min=1)
-    mean = torch.where(m, a, 0.0).sum() / n
-    var = torch.where(m, (a - mean).square(), 0.0).sum() / n
+    reduce_sum = reduce_sum or (lambda x: x)
+    total = reduce_sum(torch.stack([torch.where(m, a, 0.0).sum(), m.sum().to(a.dtype)]))
+    n = total[1].clamp(min=1)
+    mean = total[0] / n
+    var = reduce_sum(torch.where(m, (a - mean).square(), 0.0).sum()) / n
     return torch.where(m, (a - mean) / (var.sqrt() + eps), a)
 
 

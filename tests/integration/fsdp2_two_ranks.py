@@ -4,7 +4,8 @@ tests/integration/test_fsdp2_fit.py (Lightning's launcher re-runs this file for 
     python tests/integration/fsdp2_two_ranks.py MODEL_DIR OUT_DIR [--lora]
 
 Rank r trains on batches ``2*i + r`` of :func:`rank_batches` (step i), M2PO with micro-batches,
-KL to the sharded reference, gradient checkpointing and a gradient clip that binds; the
+advantages normalised over the global batch, KL to the sharded reference, gradient checkpointing
+and a gradient clip that binds; the strategy is ``FSDP2Strategy()`` with its defaults; the
 production WeightPublisher (thread worker, a fake dataflow on rank 0) publishes every step. Only
 rank 0 reads the model folder; rank 1 builds on the meta device and receives its shards. At the
 end each rank writes what it holds (``rankR.json``: local vs full shape of every parameter, where
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 STEPS = 2
-SETTINGS = dict(lr=1e-3, micro_batch_size=2, kl_coef=0.1, grad_clip=0.05,
+SETTINGS = dict(lr=1e-3, micro_batch_size=2, kl_coef=0.1, grad_clip=0.05, normalize_advantages=True,
                 gradient_checkpointing=True, loss="m2po", m2_threshold=0.01)
 LORA = dict(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
@@ -30,17 +31,23 @@ def rank_batches(model_dir: str, steps: int = STEPS) -> list:
     from tests.unit.trainer_fakes import FakeDataflowClient
 
     fake = FakeDataflowClient(model_dir, logprob_noise=0.3, seed=5)
-    return [fake.make_batch(4) for _ in range(2 * steps)]
+    batches = [fake.make_batch(4) for _ in range(2 * steps)]
+    # the ranks' shares differ in mean and spread (as different groups do), so normalising the
+    # advantages per rank instead of over the global batch changes the update
+    for i, batch in enumerate(batches):
+        for j, sample in enumerate(batch.samples):
+            sample.advantage = (3.0 * sample.advantage + 0.5 + 0.25 * j) if i % 2 else sample.advantage
+    return batches
 
 
 def main(model_dir: str, out_dir: str, lora: bool) -> None:
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, IterableDataset
 
     from astralight.callbacks import WeightPublisher
     from astralight.datamodules import collate_batch
+    from astralight.fsdp2_strategy import FSDP2Strategy
     from astralight.policy import M2POPolicy
     from astralight.weights import WeightState
     from tests.unit.trainer_fakes import FakeDataflowClient
@@ -63,6 +70,7 @@ def main(model_dir: str, out_dir: str, lora: bool) -> None:
                       for n, p in pl_module.model.named_parameters()}
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
                 {"world_size": trainer.world_size, "shards": shards,
+                 "mesh_size": pl_module._device_mesh.size(),
                  "weights_source": pl_module.weights_source,
                  "ref_sharded": pl_module.ref_model is None or all(
                      isinstance(p, DTensor) for p in pl_module.ref_model.parameters())}))
@@ -92,7 +100,7 @@ def main(model_dir: str, out_dir: str, lora: bool) -> None:
     policy = M2POPolicy(model_dir, lora=LORA if lora else None, **SETTINGS)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=FSDP2Strategy(),  # defaults: data parallel over every process ("auto")
         precision="32-true", max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         callbacks=[publisher, Norms(), Record()])

@@ -238,6 +238,7 @@ def test_two_ranks_shard_for_real_and_match_one_process(tiny_model_dir, tied_mod
 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["mesh_size"] for r in ranks] == [2, 2]  # FSDP2Strategy() "auto" = every process
     assert [r["weights_source"] for r in ranks] == ["file", "rank0"]
     assert all(r["ref_sharded"] for r in ranks)
     for name, s0 in ranks[0]["shards"].items():
