@@ -5,6 +5,12 @@ log-softmax of ``logits / temperature``. The trainer must compute the same quant
 policy, or every importance ratio is off by the temperature. ``log_softmax`` of the full
 ``[B, T, V]`` logits would materialise a second vocabulary-sized tensor; here each chunk of tokens
 takes ``gather(target) - logsumexp`` in float32, so only the chunk is ever upcast.
+
+Memory for the backward pass: autograd would keep every chunk's float32 upcast alive until the
+backward (``logsumexp`` saves its input): the whole ``[N, V]`` in float32, twice the bf16 logits
+(16k tokens x Qwen3's 151,936 vocabulary = 9.7 GB per sequence). :class:`_TokenLogprobs` saves
+only the logits as they came (bf16 under ``bf16-mixed``) and the per-token log-normaliser, and
+computes the gradient ``(onehot(target) - softmax(z / T)) / T`` chunk by chunk in the backward.
 """
 
 from __future__ import annotations
@@ -36,18 +42,62 @@ def token_logprobs(
         )
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab)
-    flat_targets = targets.reshape(-1).long()
-    n = flat_targets.shape[0]
+    flat_targets = targets.reshape(-1).long().to(flat_logits.device)
     chunk = chunk_tokens or max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
-    pieces = []
-    for start in range(0, n, chunk):
-        part = flat_logits[start:start + chunk].float()
-        if temperature != 1.0:
-            part = part / temperature
-        picked = part.gather(-1, flat_targets[start:start + chunk, None]).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(part, dim=-1))
-    out = torch.cat(pieces) if pieces else flat_logits.new_zeros(0, dtype=torch.float32)
+    out = _TokenLogprobs.apply(flat_logits, flat_targets, float(temperature), int(chunk))
     return out.view(targets.shape)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """``log softmax(z / T)[target]`` over ``[N, V]`` logits, chunk by chunk, float32 out.
+
+    Saved for the backward: the logits themselves (no copy), the targets and the per-token
+    ``logsumexp(z / T)`` -- not the float32 upcasts (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
+        n = targets.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        with _fp32(logits):
+            for start in range(0, n, chunk):
+                end = min(n, start + chunk)
+                part = _scaled(logits[start:end], temperature)
+                lse[start:end] = torch.logsumexp(part, dim=-1)
+                picked = part.gather(-1, targets[start:end, None]).squeeze(-1)
+                out[start:end] = picked - lse[start:end]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        t, n = ctx.temperature, targets.shape[0]
+        grad = torch.empty_like(logits)
+        with _fp32(logits):
+            for start in range(0, n, ctx.chunk):
+                end = min(n, start + ctx.chunk)
+                g = grad_out[start:end].float()[:, None]
+                # d/dz_j (z_target / T - lse(z / T)) = (onehot_j - softmax_j(z / T)) / T
+                part = torch.exp(_scaled(logits[start:end], t) - lse[start:end, None]).mul_(-g)
+                part.scatter_add_(-1, targets[start:end, None], g)
+                if t != 1.0:
+                    part.div_(t)
+                grad[start:end] = part
+        return grad, None, None, None
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    part = logits.float()
+    return part / temperature if temperature != 1.0 else part
+
+
+def _fp32(t: Tensor):
+    """Autocast off: the chunks are computed in float32 whatever the trainer's precision."""
+    return torch.autocast(device_type=t.device.type, enabled=False)
 
 
 def causal_lm_logprobs(
