@@ -518,8 +518,10 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
         "eval_versions": complete,
         "eval": {v: {key: evals[v][key] for key in
-                     ("avg_at_k", "pass_at_k", "team_accuracy", "k", "n_prompts", "min_version",
-                      "max_version") if key in evals[v]}
+                     ("avg_at_k", "pass_at_k", "team_accuracy", "k", "n", "pass_at",
+                      "n_prompts", "min_version", "max_version", "benchmark_average",
+                      "benchmark_average_pass_at_k", "benchmark_average_pass_at", "benchmarks")
+                     if key in evals[v]}
                  for v in complete},
         "versions": pol.get("current_version"),
         "samples_trained": pol.get("samples_trained"),

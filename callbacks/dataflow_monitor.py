@@ -4,7 +4,10 @@ The dataflow service owns the held-out evaluation and the data counters (accepte
 queue depth); the trainer only sees the batches it is served. This callback polls the service
 every ``every_n_steps`` optimizer steps and logs what it reports, so one TensorBoard shows the
 whole run: ``eval/avg_at_k`` and ``eval/pass_at_k`` at the step where each evaluated version was
-published, and ``dataflow/*`` counters at the current step.
+published (with ``eval/pass_at_<k>`` for every k of ``eval.pass_k``, and with a multi-benchmark
+eval source ``eval/benchmark_average`` (avg@k), ``eval/benchmark_average_pass_at_k``,
+``eval/benchmark_average_pass_at_<k>`` and ``eval/<benchmark>/avg_at_k`` / ``pass_at_<k>``), and
+``dataflow/*`` counters at the current step.
 
 The data algorithms (prompt curators, sample filters, replay) run in the dataflow, so their cost
 and effect are visible only there: ``dataflow/rollouts_generated`` (the rollout cost),
@@ -47,6 +50,33 @@ def _number(value) -> float | None:
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)
     return None
+
+
+def eval_metrics(result: dict) -> dict[str, float]:
+    """The extra scalars of one eval result beyond avg@k / pass@k: pass@k for every reported k,
+    the benchmark averages and each benchmark's numbers (whatever the service reports; an older
+    service reports none of them)."""
+    out: dict[str, float] = {}
+
+    def put(tag: str, value) -> None:
+        number = _number(value)
+        if number is not None:
+            out[tag] = number
+
+    for k, value in (result.get("pass_at") or {}).items():
+        put(f"eval/pass_at_{_tag(k)}", value)
+    put("eval/benchmark_average", result.get("benchmark_average"))
+    put("eval/benchmark_average_pass_at_k", result.get("benchmark_average_pass_at_k"))
+    for k, value in (result.get("benchmark_average_pass_at") or {}).items():
+        put(f"eval/benchmark_average_pass_at_{_tag(k)}", value)
+    for name, row in (result.get("benchmarks") or {}).items():
+        if not isinstance(row, dict) or not row.get("n_reported", 1):
+            continue
+        put(f"eval/{_tag(name)}/avg_at_k", row.get("avg_at_k"))
+        put(f"eval/{_tag(name)}/pass_at_k", row.get("pass_at_k"))
+        for k, value in (row.get("pass_at") or {}).items():
+            put(f"eval/{_tag(name)}/pass_at_{_tag(k)}", value)
+    return out
 
 
 def stat_metrics(model_stats: dict) -> dict[str, float]:
@@ -172,7 +202,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
                 trainer.logger.log_metrics(
                     {"eval/avg_at_k": float(result["avg_at_k"]),
                      "eval/pass_at_k": float(result["pass_at_k"]),
-                     "eval/version": float(version)},
+                     "eval/version": float(version), **eval_metrics(result)},
                     step=version * self.steps_per_version)
         stats = (all_stats.get("models") or {}).get(self.model_id, {})
         metrics = {**stat_metrics(stats), **plugin_metrics(all_stats.get("plugins"))}

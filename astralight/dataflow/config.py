@@ -25,17 +25,52 @@ def _default_source() -> dict:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation: every ``every`` versions, ``k`` samples for each prompt of ``source``.
+    """Held-out evaluation: every ``every`` versions, ``n`` samples for each prompt of ``source``.
 
     Args:
         source: finite prompt source ``{class_path, init_args}``; null disables evals.
         every: evaluate versions that are multiples of this (version 0 included).
-        k: samples per eval prompt (avg@k and pass@k).
+        k: the k of the headline avg@k and pass@k (``avg_at_k`` / ``pass_at_k`` of the results);
+            also the samples per eval prompt unless ``n`` is set.
+        n: samples per eval prompt (null: ``k``). pass@k for every k <= n comes from these n
+            samples with the unbiased estimator ``1 - C(n-c, k) / C(n, k)``, so one run with
+            ``n: 8`` reports pass@1, pass@4 and pass@8; avg@k is the mean reward of all n.
+        pass_k: the k values to report pass@k for (null: ``[k]``; ``k`` is always included).
+            Each must be <= ``n``.
     """
 
     source: Optional[dict] = None
     every: int = 5
     k: int = 4
+    n: Optional[int] = None
+    pass_k: Optional[list[int]] = None
+
+    def samples(self) -> int:
+        """Samples drawn per eval prompt: ``n``, or ``k`` when ``n`` is not set."""
+        return self.n if self.n is not None else self.k
+
+    def pass_ks(self) -> list[int]:
+        """The k values pass@k is reported for, ascending, ``k`` included."""
+        return sorted(set(self.pass_k or []) | {self.k})
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad ``eval.*`` field and the fix."""
+        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int)
+                                   or self.n < 1):
+            raise ValueError(f"eval.n: must be a positive number of samples per eval prompt "
+                             f"(or null for eval.k), got {self.n!r}")
+        n = self.samples()
+        if self.k > n:
+            raise ValueError(f"eval.k: {self.k} exceeds eval.n={n} samples per eval prompt; "
+                             f"avg@k / pass@k need at least k samples: raise eval.n to >= "
+                             f"{self.k} or lower eval.k")
+        for j in self.pass_k or []:
+            if isinstance(j, bool) or not isinstance(j, int) or j < 1:
+                raise ValueError(f"eval.pass_k: every k must be a positive int, got {j!r}")
+            if j > n:
+                raise ValueError(f"eval.pass_k: k={j} exceeds eval.n={n} samples per eval "
+                                 f"prompt (pass@k needs at least k samples); set eval.n to >= "
+                                 f"{j} or drop {j} from eval.pass_k")
 
 
 def _default_selectors() -> list:
@@ -253,6 +288,7 @@ class DataflowConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        self.eval.validate()
         if bool(self.tls_certfile) != bool(self.tls_keyfile):
             raise ValueError("tls_certfile, tls_keyfile: set both (PEM certificate and its private "
                              f"key) or neither; got certfile={self.tls_certfile!r}, "

@@ -272,7 +272,8 @@ class Dataflow:
         if self.eval_source is None or (version % every and not crossed):
             return 0
         n = evals.schedule(self.store, self.eval_source, model_id, version, self.model_ids,
-                           self.config.eval.k, self.config.workflow, now)
+                           self.config.eval.k, self.config.workflow, now,
+                           n=self.config.eval.samples(), pass_k=self.config.eval.pass_ks())
         if n:
             log.info("scheduled %d eval tasks for %s version %d", n, model_id, version)
         return n
@@ -294,7 +295,8 @@ class Dataflow:
                 "max_body_bytes": cfg.max_body_bytes,
                 "max_weight_file_bytes": cfg.max_weight_file_bytes,
                 "eval": {"enabled": self.eval_source is not None, "every": cfg.eval.every,
-                         "k": cfg.eval.k, "n_prompts": self.eval_prompts}}
+                         "k": cfg.eval.k, "n": cfg.eval.samples(),
+                         "pass_k": cfg.eval.pass_ks(), "n_prompts": self.eval_prompts}}
 
     # ------------------------------------------------------------------ RaaS side
 

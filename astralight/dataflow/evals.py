@@ -1,14 +1,17 @@
 """Held-out evaluation: scheduling eval tasks for a policy version and scoring what comes back.
 
 When version ``v`` of a policy is published (and for version 0 at start-up) and
-``v % eval.every == 0``, every prompt of the eval source becomes one eval task asking for ``k``
-samples. Eval tasks are leased before train tasks; their samples never enter a training queue.
-Each pushed eval task leaves one compact report row (samples, correct samples, reward sum and the
-policy versions that actually generated the tokens); the results are aggregated on read.
+``v % eval.every == 0``, every prompt of the eval source becomes one eval task asking for ``n``
+samples (``eval.n``, default ``eval.k``). Eval tasks are leased before train tasks; their samples
+never enter a training queue. Each pushed eval task leaves one compact report row (samples,
+correct samples, reward sum and the policy versions that actually generated the tokens); the
+results are aggregated on read: avg@k (mean reward) and the unbiased pass@k for every k of
+``eval.pass_k``, overall, per benchmark and averaged over benchmarks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import weakref
 
@@ -52,25 +55,34 @@ def eval_size(source: PromptSource) -> int:
 
 
 def schedule(store: Store, source: PromptSource, model_id: str, version: int,
-             model_ids: list[str], k: int, workflow: str, now: float) -> int:
+             model_ids: list[str], k: int, workflow: str, now: float,
+             n: int | None = None, pass_k: list[int] | None = None) -> int:
     """Insert the eval tasks of ``(model_id, version)`` (once; inside the caller's transaction).
 
+    Each task asks for ``n`` samples (None: ``k``); ``k`` is the k of the headline avg@k /
+    pass@k and ``pass_k`` the k values pass@k is reported for (None: ``[k]``), both kept with
+    the run so results read later (``astralight report``) need no config.
     The evaluated policy comes first in ``Task.model_ids``; other policies follow so that a
     multi-policy workflow still finds every engine it needs. Returns the number of tasks created.
     """
     if store.eval_run_exists(model_id, version):
         return 0
+    samples = n if n is not None else k
+    if k > samples or any(j > samples for j in pass_k or []):
+        raise ValueError(f"eval.pass_k: every k (k={k}, pass_k={pass_k}) must be <= eval.n="
+                         f"{samples} samples per eval prompt")
     order = [model_id] + [m for m in model_ids if m != model_id]
-    n = eval_size(source)
-    for i in range(n):
+    n_prompts = eval_size(source)
+    for i in range(n_prompts):
         prompt = source.get(i)
-        task = Task(task_id=eval_task_id(model_id, version, i), prompt=prompt.prompt, n=k,
+        task = Task(task_id=eval_task_id(model_id, version, i), prompt=prompt.prompt, n=samples,
                     model_ids=order, workflow=workflow, kind="eval", eval_version=version,
                     metadata=dict(prompt.metadata))
         store.insert_task(task.task_id, "eval", order, encode(task), now, prompt_index=i,
                           target_model=model_id, eval_version=version)
-    store.insert_eval_run(model_id, version, n, k, now)
-    return n
+    ks = sorted(set(pass_k or []) | {k})
+    store.insert_eval_run(model_id, version, n_prompts, k, now, n=samples, pass_k=ks)
+    return n_prompts
 
 
 def summarize(samples: list[Sample]) -> dict:
@@ -95,29 +107,56 @@ def summarize(samples: list[Sample]) -> dict:
     }
 
 
+def run_settings(run) -> tuple[int, int, list[int]]:
+    """``(k, n, pass_ks)`` of an ``eval_runs`` row: the headline k, the samples per prompt and
+    the k values pass@k is reported for. Rows written before ``eval.n`` / ``eval.pass_k`` existed
+    (or read from an unmigrated DB) have neither column: ``n = k`` and ``pass_ks = [k]``."""
+    keys = run.keys() if hasattr(run, "keys") else ()
+    k = int(run["k"])
+    n = run["n"] if "n" in keys and run["n"] is not None else k
+    ks = [k]
+    if "pass_k" in keys and run["pass_k"]:
+        try:
+            ks = sorted({int(x) for x in json.loads(run["pass_k"])} | {k})
+        except (TypeError, ValueError):
+            ks = [k]
+    return k, int(n), ks
+
+
+def pass_table(rows, ks: list[int]) -> dict[str, float]:
+    """``{str(k): mean over prompts of the unbiased pass@k}`` (JSON-safe string keys)."""
+    return {str(j): (sum(pass_at_k(r["n_samples"], r["n_correct"], j) for r in rows) / len(rows)
+                     if rows else 0.0) for j in ks}
+
+
 def aggregate(store: Store, model_id: str,
               benchmarks: dict[int, str] | None = None) -> dict[int, dict]:
-    """Results per eval version: ``avg_at_k`` (mean reward of all samples), ``pass_at_k`` (mean over
-    reported prompts), ``complete`` once every prompt reported, and the generating versions.
+    """Results per eval version: ``avg_at_k`` (mean reward of all samples), ``pass_at_k`` (mean
+    over reported prompts of the unbiased pass@k at the run's ``k``), ``pass_at`` (``{"1": ..,
+    "4": ..}``: pass@k for every k of ``eval.pass_k``), ``k``, ``n`` (samples per prompt),
+    ``complete`` once every prompt reported, and the generating versions.
 
     With ``benchmarks`` (``{prompt_index: benchmark name}``, e.g. from :func:`benchmark_map`)
-    each version also gets ``benchmarks: {name: {avg_at_k, pass_at_k, n_prompts, n_reported,
-    n_samples}}`` and ``benchmark_average``, the unweighted mean of the per-benchmark avg@k over
-    the benchmarks with at least one report (so a 30-problem AIME counts as much as MATH-500).
-    Prompts missing from the map are grouped under ``"unknown"``.
+    each version also gets ``benchmarks: {name: {avg_at_k, pass_at_k, pass_at, n_prompts,
+    n_reported, n_samples}}``, ``benchmark_average`` (the unweighted mean of the per-benchmark
+    avg@k over the benchmarks with at least one report, so a 30-problem AIME counts as much as
+    MATH-500), ``benchmark_average_pass_at_k`` and ``benchmark_average_pass_at`` (the same mean
+    of pass@k). Prompts missing from the map are grouped under ``"unknown"``.
     """
     out: dict[int, dict] = {}
     for run in store.eval_runs(model_id):
         reports = store.eval_reports(model_id, run["version"])
-        k = run["k"]
+        k, n, ks = run_settings(run)
         n_samples = sum(r["n_samples"] for r in reports)
         mins = [r["min_version"] for r in reports if r["min_version"] is not None]
         maxs = [r["max_version"] for r in reports if r["max_version"] is not None]
+        passes = pass_table(reports, ks)
         out[run["version"]] = {
             "avg_at_k": sum(r["sum_reward"] for r in reports) / n_samples if n_samples else 0.0,
-            "pass_at_k": (sum(pass_at_k(r["n_samples"], r["n_correct"], k) for r in reports)
-                          / len(reports)) if reports else 0.0,
+            "pass_at_k": passes[str(k)],
+            "pass_at": passes,
             "k": k,
+            "n": n,
             "n_prompts": run["n_prompts"],
             "n_reported": len(reports),
             "n_samples": n_samples,
@@ -126,16 +165,21 @@ def aggregate(store: Store, model_id: str,
             "max_version": max(maxs) if maxs else None,
             "scheduled_at": run["scheduled_at"],
         }
-        team = [r["n_team_correct"] for r in reports]
+        team = [r["n_team_correct"] if "n_team_correct" in r.keys() else None for r in reports]
         if reports and all(t is not None for t in team):  # a team workflow (solver + verifier)
             out[run["version"]]["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
         if benchmarks is not None:
-            out[run["version"]].update(per_benchmark(reports, k, run["n_prompts"], benchmarks))
+            out[run["version"]].update(per_benchmark(reports, k, run["n_prompts"], benchmarks,
+                                                     ks))
     return out
 
 
-def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str]) -> dict:
-    """``{"benchmarks": {name: {...}}, "benchmark_average": float | None}`` of one eval run."""
+def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str],
+                  pass_ks: list[int] | None = None) -> dict:
+    """``{"benchmarks": {name: {...}}, "benchmark_average": float | None,
+    "benchmark_average_pass_at_k": float | None, "benchmark_average_pass_at": {k: float}}`` of
+    one eval run; the averages are over the benchmarks with at least one report."""
+    ks = sorted(set(pass_ks or []) | {k})
     scheduled: dict[str, int] = {}
     for index, name in benchmarks.items():
         if 0 <= index < n_prompts:
@@ -146,17 +190,25 @@ def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str]) -
     table = {}
     for name, rows in groups.items():
         n_samples = sum(r["n_samples"] for r in rows)
+        passes = pass_table(rows, ks)
         table[name] = {
             "avg_at_k": sum(r["sum_reward"] for r in rows) / n_samples if n_samples else 0.0,
-            "pass_at_k": (sum(pass_at_k(r["n_samples"], r["n_correct"], k) for r in rows)
-                          / len(rows)) if rows else 0.0,
+            "pass_at_k": passes[str(k)],
+            "pass_at": passes,
             "n_prompts": scheduled.get(name, len(rows)),
             "n_reported": len(rows),
             "n_samples": n_samples,
         }
-    reported = [v["avg_at_k"] for v in table.values() if v["n_reported"]]
+    reported = [v for v in table.values() if v["n_reported"]]
+
+    def mean(values):
+        return sum(values) / len(values) if values else None
+
     return {"benchmarks": table,
-            "benchmark_average": sum(reported) / len(reported) if reported else None}
+            "benchmark_average": mean([v["avg_at_k"] for v in reported]),
+            "benchmark_average_pass_at_k": mean([v["pass_at_k"] for v in reported]),
+            "benchmark_average_pass_at": ({str(j): mean([v["pass_at"][str(j)] for v in reported])
+                                           for j in ks} if reported else {})}
 
 
 _BENCHMARK_MAPS = weakref.WeakKeyDictionary()

@@ -61,7 +61,8 @@ CREATE TABLE IF NOT EXISTS version_times (
     PRIMARY KEY(model_id, version));
 CREATE TABLE IF NOT EXISTS eval_runs (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, n_prompts INTEGER NOT NULL,
-    k INTEGER NOT NULL, scheduled_at REAL NOT NULL, PRIMARY KEY(model_id, version));
+    k INTEGER NOT NULL, scheduled_at REAL NOT NULL, n INTEGER, pass_k TEXT,
+    PRIMARY KEY(model_id, version));
 CREATE TABLE IF NOT EXISTS eval_reports (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, prompt_index INTEGER NOT NULL,
     task_id TEXT NOT NULL, n_samples INTEGER NOT NULL, n_correct INTEGER NOT NULL,
@@ -88,6 +89,9 @@ CREATE TABLE IF NOT EXISTS plugin_journal (
 #: ones an older state folder lacks (the CREATE TABLE statements above already have them)
 MIGRATIONS = {
     "eval_reports": [("n_team_correct", "INTEGER")],
+    # samples per eval prompt (NULL: k, as before eval.n existed) and the pass@k k values as a
+    # JSON list (NULL: [k])
+    "eval_runs": [("n", "INTEGER"), ("pass_k", "TEXT")],
     "instances": [("capacity_units", "REAL NOT NULL DEFAULT 1.0"),
                   ("state", "TEXT NOT NULL DEFAULT 'active'"), ("left_at", "REAL"),
                   ("alive_prior_s", "REAL NOT NULL DEFAULT 0"),
@@ -516,9 +520,15 @@ class Store:
                                  (model_id, version)).fetchone() is not None
 
     def insert_eval_run(self, model_id: str, version: int, n_prompts: int, k: int,
-                        now: float) -> None:
-        self.conn.execute("INSERT INTO eval_runs(model_id, version, n_prompts, k, scheduled_at)"
-                          " VALUES(?, ?, ?, ?, ?)", (model_id, version, n_prompts, k, now))
+                        now: float, n: int | None = None,
+                        pass_k: list[int] | None = None) -> None:
+        """One scheduled eval: ``k`` of avg@k / pass@k, ``n`` samples per prompt (None: k) and
+        the k values pass@k is reported for (None: ``[k]``)."""
+        self.conn.execute(
+            "INSERT INTO eval_runs(model_id, version, n_prompts, k, scheduled_at, n, pass_k)"
+            " VALUES(?, ?, ?, ?, ?, ?, ?)",
+            (model_id, version, n_prompts, k, now, n,
+             json.dumps([int(x) for x in pass_k]) if pass_k is not None else None))
 
     def insert_eval_report(self, model_id: str, version: int, prompt_index: int, task_id: str,
                            n_samples: int, n_correct: int, sum_reward: float,

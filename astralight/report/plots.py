@@ -21,6 +21,8 @@ PUBLISH_SPARSITY = "publish/sparsity"
 PUBLISH_BYTES = ("publish/bytes", "publish/delta_bytes", "publish/full_bytes")
 PUBLISH_VERSION = "publish/published_version"
 PUBLISH_KIND = "publish/kind"  # 1 = full, 0 = delta
+#: where TensorBoard logs are looked for (rundata.tensorboard_loggers); the summary's sources
+_LOOKED = "see `sources` in summary.txt; --tensorboard DIR adds a folder"
 
 
 class MatplotlibMissing(RuntimeError):
@@ -88,8 +90,8 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 # --------------------------------------------------------------------------- eval accuracy
 
 def plot_eval_accuracy(data: RunData, path: Path, window: int) -> str | None:
-    """avg@k per eval version of every policy; team accuracy (dashed) and each benchmark's avg@k
-    (dotted) when the eval has them."""
+    """avg@k per eval version of every policy; team accuracy (dashed), each benchmark's avg@k
+    (dotted) and their unweighted average (dash-dot) when the eval has them."""
     if not data.evals:
         return ("no complete evaluation: the dataflow DB has no complete eval run and "
                 "summary.json no `eval` table (is `dataflow.eval.source` set?)")
@@ -106,6 +108,10 @@ def plot_eval_accuracy(data: RunData, path: Path, window: int) -> str | None:
         if team:
             ax.plot(team, [100 * table[v]["team_accuracy"] for v in team], "s--", color=color,
                     label=f"{model_id} team accuracy")
+        avg = [v for v in versions if table[v].get("benchmark_average") is not None]
+        if avg:
+            ax.plot(avg, [100 * table[v]["benchmark_average"] for v in avg], "D-.", color=color,
+                    label=f"{model_id} benchmark average")
         names = sorted({b for v in versions for b in (table[v].get("benchmarks") or {})})
         for j, name in enumerate(names):
             pts = [(v, table[v]["benchmarks"][name]["avg_at_k"]) for v in versions
@@ -164,15 +170,16 @@ def plot_reward(data: RunData, path: Path, window: int) -> str | None:
     """Mean reward of each trained batch (``train/reward_mean``) per step, raw and smoothed."""
     return _series_plot(data, path, (REWARD_TAG,), "Mean reward per training step", "reward",
                         window, smooth=True,
-                        missing=f"no TensorBoard scalar {REWARD_TAG!r} under tensorboard/")
+                        missing=f"no TensorBoard scalar {REWARD_TAG!r} in the TensorBoard logs found "
+                                f"({_LOOKED})")
 
 
 def plot_staleness(data: RunData, path: Path, window: int) -> str | None:
     """Staleness of each trained batch (trainer version minus behaviour version), mean and max."""
     return _series_plot(data, path, STALENESS_TAGS, "Staleness of trained samples",
                         "policy versions behind", window, smooth=False,
-                        missing=f"no TensorBoard scalars {' / '.join(STALENESS_TAGS)} under "
-                                f"tensorboard/")
+                        missing=f"no TensorBoard scalars {' / '.join(STALENESS_TAGS)} in the "
+                                f"TensorBoard logs found ({_LOOKED})")
 
 
 # --------------------------------------------------------------------------- wait fraction
@@ -227,8 +234,8 @@ def plot_weights(data: RunData, path: Path, window: int) -> str | None:
     found = {n: tb for n, tb in data.scalars.items()
              if tb.get(PUBLISH_SPARSITY) or any(tb.get(t) for t in PUBLISH_BYTES)}
     if not found:
-        return (f"no publisher scalars ({PUBLISH_SPARSITY}, {', '.join(PUBLISH_BYTES)}) under "
-                f"tensorboard/: was the WeightPublisher callback on?")
+        return (f"no publisher scalars ({PUBLISH_SPARSITY}, {', '.join(PUBLISH_BYTES)}) in the "
+                f"TensorBoard logs found ({_LOOKED}): was the WeightPublisher callback on?")
     fig, (ax_sp, ax_b) = _figure(nrows=2, height=3.2)
     colors = _colors()
     mib = 1024.0 * 1024.0

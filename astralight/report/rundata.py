@@ -6,9 +6,18 @@ the JSON of each balance report), ``dataflow/dataflow.db`` (the dataflow service
 ``tensorboard/<name>/version_*/events.*`` (one TensorBoard logger per trainer), ``logs/`` and
 ``configs/``, and with an autoscaler ``autoscale.jsonl`` (its decisions).
 
-Every source is optional except that the folder must hold ``summary.json`` or the dataflow DB:
-what a source lacks is recorded in :attr:`RunData.notes` and the plots that need it are skipped
-with that reason, so a report of a crashed or half-finished run still shows what there is.
+Trainer metrics are read from every folder of TensorBoard event files under the run folder:
+``tensorboard/<name>/`` (the launcher's loggers, named ``<name>``), ``lightning_logs/`` (Lightning's
+default logger when a trainer config sets ``default_root_dir`` inside the run folder) and any other
+folder of ``events.out.tfevents.*``, plus the folders given with ``--tensorboard DIR`` (a cluster
+run's trainers log under their own ``default_root_dir``). ``--db PATH`` names the dataflow DB when
+it is not at ``dataflow/dataflow.db`` (Kubernetes: the ``/state`` volume). :attr:`RunData.sources`
+says what was read from where, and what was looked for and not found.
+
+Every source is optional except that the folder must hold ``summary.json``, the dataflow DB or
+TensorBoard event files (or ``--db`` / ``--tensorboard`` name them): what a source lacks is
+recorded in :attr:`RunData.notes` and the plots that need it are skipped with that reason, so a
+report of a crashed or half-finished run still shows what there is.
 
 The DB is opened read-only and never through :class:`~astralight.dataflow.store.Store`'s own
 constructor, which switches the journal to WAL and migrates the schema (both write). With no
@@ -20,6 +29,7 @@ the write-ahead log's last transactions are seen.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
 from dataclasses import dataclass, field
@@ -31,8 +41,12 @@ import yaml
 from astralight.dataflow import evals as evals_mod
 from astralight.dataflow.store import Store
 
-#: what marks a folder as a run folder (at least one must be there)
+#: what marks a folder as a run folder (at least one must be there, or TensorBoard event files)
 RUN_MARKERS = ("summary.json", "dataflow/dataflow.db")
+#: TensorBoard event files (SummaryWriter / Lightning's TensorBoardLogger)
+EVENTS_GLOB = "events.out.tfevents.*"
+#: how deep under a folder event files are looked for (RUN_DIR/a/b/lightning_logs/version_0: 4)
+MAX_EVENTS_DEPTH = 6
 
 
 class RunFolderError(ValueError):
@@ -67,6 +81,11 @@ class RunData:
     pool_log: Path | None = None
     has_db: bool = False
     notes: list[str] = field(default_factory=list)
+    #: ``{what: where it came from, or why it is missing}``: ``dataflow DB``, ``TensorBoard``
+    sources: dict[str, str] = field(default_factory=dict)
+    db_path: Path | None = None
+    #: the TensorBoard loggers read: ``(name in scalars, folder, [event folders])``
+    tensorboard: list[tuple[str, Path, list[Path]]] = field(default_factory=list)
 
 
 class ReadOnlyStore(Store):
@@ -91,17 +110,51 @@ class ReadOnlyStore(Store):
         return sorted(found)
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Raise :class:`RunFolderError` unless ``run_dir`` looks like a run folder."""
+def check_run_dir(run_dir: Path, db: Path | None = None,
+                  tensorboard: tuple[Path, ...] | list[Path] = ()) -> None:
+    """Raise :class:`RunFolderError` unless ``run_dir`` looks like a run folder, or an explicit
+    ``--db`` / ``--tensorboard`` exists (a missing one is an error naming the option)."""
     if not run_dir.exists():
         raise RunFolderError(f"RUN_DIR: {run_dir} does not exist")
     if not run_dir.is_dir():
         raise RunFolderError(f"RUN_DIR: {run_dir} is not a folder")
-    if not any((run_dir / m).is_file() for m in RUN_MARKERS):
-        raise RunFolderError(
-            f"RUN_DIR: {run_dir} is not an astralight run folder: it holds neither "
-            f"{' nor '.join(RUN_MARKERS)} (a run folder is what "
-            f"`astralight run RECIPE --run-dir D` writes)")
+    if db is not None and not Path(db).is_file():
+        raise RunFolderError(f"--db: {db} is not a file (the dataflow's "
+                             f"<state_dir>/dataflow.db)")
+    for tb in tensorboard:
+        if not Path(tb).is_dir():
+            raise RunFolderError(f"--tensorboard: {tb} is not a folder (a folder holding "
+                                 f"TensorBoard {EVENTS_GLOB} files, e.g. a trainer's "
+                                 f"default_root_dir or its lightning_logs/)")
+    if db is not None or tensorboard:
+        return
+    if any((run_dir / m).is_file() for m in RUN_MARKERS) or event_dirs(run_dir, limit=1):
+        return
+    raise RunFolderError(
+        f"RUN_DIR: {run_dir} is not an astralight run folder: it holds neither "
+        f"{' nor '.join(RUN_MARKERS)} nor TensorBoard event files (a run folder is what "
+        f"`astralight run RECIPE --run-dir D` writes; elsewhere name the sources with "
+        f"--db PATH / --tensorboard DIR)")
+
+
+def event_dirs(root: Path, limit: int | None = None,
+               max_depth: int = MAX_EVENTS_DEPTH) -> list[Path]:
+    """Folders under ``root`` (itself included, at most ``max_depth`` levels down) holding
+    TensorBoard event files, sorted; hidden folders are skipped. ``limit``: stop after that
+    many (a cheap "is there any")."""
+    found: list[Path] = []
+    root = Path(root)
+    base = len(root.parts)
+    for here, dirs, files in os.walk(root):
+        path = Path(here)
+        if len(path.parts) - base >= max_depth:
+            dirs[:] = []
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if any(f.startswith("events.out.tfevents.") for f in files):
+            found.append(path)
+            if limit is not None and len(found) >= limit:
+                break
+    return sorted(found)
 
 
 def _read_summary(data: RunData) -> None:
@@ -109,7 +162,9 @@ def _read_summary(data: RunData) -> None:
     if not path.is_file():
         data.notes.append("summary.json is missing (the run did not finish?): totals come from "
                           "the dataflow DB")
+        data.sources["summary.json"] = "missing"
         return
+    data.sources["summary.json"] = "summary.json"
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -186,19 +241,33 @@ def eval_benchmark_map(run_dir: Path) -> tuple[dict[int, str] | None, str | None
         return None, f"could not rebuild the eval source to name benchmarks ({exc})"
 
 
-def _read_db(data: RunData) -> None:
-    path = _db_path(data.run_dir)
+def shown(data: RunData, path: Path) -> str:
+    """``path`` relative to the run folder when inside it, else as given."""
+    try:
+        return Path(path).resolve().relative_to(data.run_dir.resolve()).as_posix() or "."
+    except ValueError:
+        return str(path)
+
+
+def _read_db(data: RunData, db: Path | None = None) -> None:
+    path = Path(db) if db is not None else _db_path(data.run_dir)
+    origin = "--db" if db is not None else "RUN_DIR"
     if not path.is_file():
         data.notes.append(f"the dataflow DB {path} is missing: eval, wait fraction and pool come "
                           f"from summary.json alone")
+        data.sources["dataflow DB"] = (f"missing (looked for {shown(data, path)}; pass --db PATH "
+                                       f"when the dataflow's state_dir is elsewhere)")
         return
     try:
         store = ReadOnlyStore(path)
         store.conn.execute("SELECT 1 FROM sqlite_master").fetchone()
     except sqlite3.Error as exc:
         data.notes.append(f"the dataflow DB {path} cannot be opened ({exc})")
+        data.sources["dataflow DB"] = f"unreadable: {shown(data, path)} ({exc})"
         return
     data.has_db = True
+    data.db_path = path
+    data.sources["dataflow DB"] = f"{shown(data, path)}" + (" (--db)" if origin == "--db" else "")
     try:
         data.model_ids = store.model_ids()
         _read_db_evals(data, store)
@@ -286,44 +355,90 @@ def _per_version_from_summary(data: RunData) -> None:
         data.per_version[model_id or "policy"] = rows
 
 
-def _read_tensorboard(data: RunData) -> None:
-    root = data.run_dir / "tensorboard"
-    if not root.is_dir():
-        data.notes.append("tensorboard/ is missing (no trainer logged scalars)")
-        return
-    names = sorted(p for p in root.iterdir() if p.is_dir())
-    if not names:
-        data.notes.append("tensorboard/ holds no logger folder")
-        return
+def tensorboard_loggers(root: Path, legacy: bool = False) -> dict[str, tuple[Path, list[Path]]]:
+    """``{name: (logger folder, [event folders])}`` of the TensorBoard logs under ``root``.
+
+    A ``version_N`` event folder belongs to its parent (Lightning's ``<save_dir>/<name>/version_N``:
+    a resumed trainer writes a new version); any other event folder is a logger of its own. A
+    logger is named by its path relative to ``root`` (``lightning_logs``,
+    ``trainer/lightning_logs``), or ``root``'s name when it is ``root`` itself. With ``legacy``
+    (the run folder), ``tensorboard/<name>/...`` is the launcher's logger ``<name>``.
+    """
+    out: dict[str, tuple[Path, list[Path]]] = {}
+    root = Path(root)
+    for ev in event_dirs(root):
+        rel = ev.relative_to(root).parts
+        if legacy and len(rel) >= 2 and rel[0] == "tensorboard":
+            logger, name = root / rel[0] / rel[1], rel[1]
+        else:
+            logger = ev.parent if (re.fullmatch(r"version_\d+", ev.name) and ev != root) else ev
+            rel_logger = logger.relative_to(root).as_posix() if logger != root else ""
+            name = rel_logger if rel_logger not in ("", ".") else root.resolve().name
+        out.setdefault(name, (logger, []))[1].append(ev)
+    return out
+
+
+def _read_logger(data: RunData, name: str, logger: Path, dirs: list[Path]) -> bool:
+    """Merge the scalars of one logger's event folders into ``data.scalars[name]``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    for name_dir in names:
-        merged: dict[str, dict[int, tuple[float, float]]] = {}
-        # version_* folders: a resumed trainer writes a new one; the later event of a step wins
-        for version_dir in sorted(_event_dirs(name_dir), key=_version_key):
-            try:
-                acc = EventAccumulator(str(version_dir), size_guidance={"scalars": 0})
-                acc.Reload()
-                for tag in acc.Tags().get("scalars", []):
-                    steps = merged.setdefault(tag, {})
-                    for ev in acc.Scalars(tag):
-                        old = steps.get(ev.step)
-                        if old is None or ev.wall_time >= old[0]:
-                            steps[ev.step] = (ev.wall_time, float(ev.value))
-            except Exception as exc:  # a truncated event file must not stop the report
-                data.notes.append(f"tensorboard/{name_dir.name}: {version_dir.name} "
-                                  f"unreadable ({exc})")
-        if merged:
-            data.scalars[name_dir.name] = {
-                tag: [(s, v) for s, (_, v) in sorted(steps.items())]
-                for tag, steps in merged.items()}
-    if not data.scalars:
-        data.notes.append("tensorboard/ holds no scalar events")
+    merged: dict[str, dict[int, tuple[float, float]]] = {}
+    # version_* folders: a resumed trainer writes a new one; the later event of a step wins
+    for version_dir in sorted(dirs, key=_version_key):
+        try:
+            acc = EventAccumulator(str(version_dir), size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in acc.Tags().get("scalars", []):
+                steps = merged.setdefault(tag, {})
+                for ev in acc.Scalars(tag):
+                    old = steps.get(ev.step)
+                    if old is None or ev.wall_time >= old[0]:
+                        steps[ev.step] = (ev.wall_time, float(ev.value))
+        except Exception as exc:  # a truncated event file must not stop the report
+            data.notes.append(f"TensorBoard {shown(data, version_dir)} unreadable ({exc})")
+    if not merged:
+        return False
+    data.scalars[name] = {tag: [(s, v) for s, (_, v) in sorted(steps.items())]
+                          for tag, steps in merged.items()}
+    return True
 
 
-def _event_dirs(name_dir: Path) -> list[Path]:
-    dirs = {p.parent for p in name_dir.rglob("events.out.tfevents.*")}
-    return list(dirs)
+def _read_tensorboard(data: RunData, extra: tuple[Path, ...] | list[Path] = ()) -> None:
+    """Scalars of every TensorBoard logger under the run folder and the ``--tensorboard`` folders.
+
+    Loggers keep their names (``tensorboard/policy`` -> ``policy``); a name found twice (two
+    trainers' ``lightning_logs``) is prefixed by the folder it was found under."""
+    roots = [(data.run_dir, True)] + [(Path(p), False) for p in extra]
+    seen: set[Path] = set()
+    found: list[str] = []
+    for root, legacy in roots:
+        for name, (logger, dirs) in tensorboard_loggers(root, legacy).items():
+            dirs = [d for d in dirs if d.resolve() not in seen]
+            if not dirs:
+                continue
+            seen.update(d.resolve() for d in dirs)
+            if name in data.scalars or name in {n for n, _, _ in data.tensorboard}:
+                name = f"{root.resolve().name}/{name}"
+                while name in data.scalars:
+                    name += "'"
+            where = shown(data, logger) + (" (--tensorboard)" if not legacy else "")
+            if _read_logger(data, name, logger, dirs):
+                data.tensorboard.append((name, logger, dirs))
+                versions = ", ".join(d.name for d in sorted(dirs, key=_version_key))
+                found.append(f"{name} <- {where} [{versions}]" if name != where
+                             else f"{where} [{versions}]")
+            else:
+                data.notes.append(f"TensorBoard {where}: event files without scalars")
+    looked = "RUN_DIR (tensorboard/, lightning_logs/, any folder of " + EVENTS_GLOB + ")"
+    if extra:
+        looked += " and " + ", ".join(str(p) for p in extra)
+    if found:
+        data.sources["TensorBoard"] = "; ".join(found)
+    else:
+        data.sources["TensorBoard"] = (f"none found in {looked}; pass --tensorboard DIR (a "
+                                       f"trainer's default_root_dir or save_dir)")
+        data.notes.append(f"no TensorBoard scalars in {looked}: reward, staleness and weights "
+                          f"plots need them")
 
 
 def _version_key(path: Path) -> tuple[int, str]:
@@ -353,17 +468,20 @@ def _read_pool(data: RunData) -> None:
             data.pool_decisions.append(entry)
 
 
-def load_run(run_dir: str | Path) -> RunData:
-    """Read every source of a run folder; raises :class:`RunFolderError` for a non-run folder."""
+def load_run(run_dir: str | Path, tensorboard: tuple | list = (),
+             db: str | Path | None = None) -> RunData:
+    """Read every source of a run folder (plus the ``tensorboard`` folders and the ``db`` given);
+    raises :class:`RunFolderError` for a non-run folder or a missing ``db`` / ``tensorboard``."""
     run_dir = Path(run_dir)
-    check_run_dir(run_dir)
+    extra = [Path(p) for p in tensorboard]
+    check_run_dir(run_dir, Path(db) if db is not None else None, extra)
     data = RunData(run_dir=run_dir)
     _read_summary(data)
     _read_balance(data)
-    _read_db(data)
+    _read_db(data, Path(db) if db is not None else None)
     _evals_from_summary(data)
     _per_version_from_summary(data)
-    _read_tensorboard(data)
+    _read_tensorboard(data, extra)
     _read_pool(data)
     if not data.model_ids:
         data.model_ids = sorted(set(data.evals) | set(data.per_version))

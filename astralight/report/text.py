@@ -98,6 +98,91 @@ def _wall_line(data: RunData) -> str:
     return "wall time: unknown"
 
 
+def pass_values(row: dict) -> dict[int, float]:
+    """``{k: pass@k}`` of an eval result (or a benchmark's entry): its ``pass_at`` table, or for
+    results written before ``eval.pass_k`` existed (old DBs, summary.json) ``{k: pass_at_k}``."""
+    out: dict[int, float] = {}
+    table = row.get("pass_at")
+    if isinstance(table, dict):
+        for key, value in table.items():
+            try:
+                out[int(key)] = float(value)
+            except (TypeError, ValueError):
+                continue
+    if not out and row.get("pass_at_k") is not None and row.get("k") is not None:
+        out[int(row["k"])] = float(row["pass_at_k"])
+    return out
+
+
+def headline(row: dict) -> float | None:
+    """What "best" ranks versions by: the benchmark-average avg@k, else the overall avg@k."""
+    if row.get("benchmark_average") is not None:
+        return float(row["benchmark_average"])
+    return float(row["avg_at_k"]) if row.get("avg_at_k") is not None else None
+
+
+def best_version(table: dict[int, dict]) -> int | None:
+    """The eval version with the highest :func:`headline` (ties: the later version), as papers
+    report the best checkpoint (e.g. AstraFlow's Appendix A.1)."""
+    ranked = [(headline(row), v) for v, row in table.items() if headline(row) is not None]
+    return max(ranked)[1] if ranked else None
+
+
+def benchmark_table(row: dict) -> list[str]:
+    """Rows of avg@k and pass@k per benchmark, their unweighted average and all prompts."""
+    k = row.get("k", "k")
+    benches = {name: b for name, b in sorted((row.get("benchmarks") or {}).items())
+               if isinstance(b, dict)}
+    ks = sorted(set(pass_values(row)).union(*(pass_values({**b, "k": row.get("k")})
+                                              for b in benches.values())))
+    entries: list[tuple[str, object, float | None, dict[int, float]]] = []
+    for name, b in benches.items():
+        if not b.get("n_reported", 1):
+            entries.append((name, b.get("n_prompts", ""), None, {}))
+            continue
+        entries.append((name, b.get("n_prompts", ""), b.get("avg_at_k"),
+                        pass_values({**b, "k": row.get("k")})))
+    if benches:
+        avg_pass = {}
+        for key, value in (row.get("benchmark_average_pass_at") or {}).items():
+            try:
+                avg_pass[int(key)] = float(value)
+            except (TypeError, ValueError):
+                continue
+        if not avg_pass and row.get("benchmark_average_pass_at_k") is not None:
+            avg_pass[int(row["k"])] = float(row["benchmark_average_pass_at_k"])
+        entries.append(("average", "", row.get("benchmark_average"), avg_pass))
+    entries.append(("all prompts", row.get("n_prompts", ""), row.get("avg_at_k"),
+                    pass_values(row)))
+    width = max(11, *(len(e[0]) for e in entries))
+    header = (f"    {'benchmark':<{width}} {'prompts':>7} {f'avg@{k}':>7}"
+              + "".join(f" {f'pass@{j}':>7}" for j in ks))
+    lines = [header]
+    for name, prompts, avg, passes in entries:
+        if avg is None and not passes:
+            lines.append(f"    {name:<{width}} {prompts!s:>7} {'no reports':>7}")
+            continue
+        lines.append(f"    {name:<{width}} {prompts!s:>7} {_pct(avg):>7}"
+                     + "".join(f" {_pct(passes.get(j)):>7}" for j in ks))
+    return lines
+
+
+def eval_tables(model_id: str, table: dict[int, dict]) -> list[str]:
+    """The per-benchmark tables of ``model_id`` at its last and at its best eval version."""
+    if not table:
+        return []
+    last = max(table)
+    best = best_version(table)
+    k = table[last].get("k", "k")
+    by = ("benchmark-average avg@" if table[last].get("benchmark_average") is not None
+          else "avg@") + str(k)
+    if best is None or best == last:
+        return [f"  {model_id} v{last}, the last eval and the best by {by}:",
+                *benchmark_table(table[last])]
+    return [f"  {model_id} v{last}, the last eval:", *benchmark_table(table[last]),
+            f"  {model_id} v{best}, the best eval by {by}:", *benchmark_table(table[best])]
+
+
 def _eval_line(model_id: str, table: dict[int, dict]) -> str:
     versions = sorted(table)
     first, last = table[versions[0]], table[versions[-1]]
@@ -112,6 +197,13 @@ def _eval_line(model_id: str, table: dict[int, dict]) -> str:
     if first.get("benchmark_average") is not None and last.get("benchmark_average") is not None:
         extra.append(f"benchmark average {_pct(first['benchmark_average'])} -> "
                      f"{_pct(last['benchmark_average'])}")
+    if (first.get("benchmark_average_pass_at_k") is not None
+            and last.get("benchmark_average_pass_at_k") is not None):
+        extra.append(f"benchmark average pass@{k} {_pct(first['benchmark_average_pass_at_k'])} "
+                     f"-> {_pct(last['benchmark_average_pass_at_k'])}")
+    best = best_version(table)
+    if best is not None and best != versions[-1]:
+        extra.append(f"best v{best} {_pct(headline(table[best]))}")
     return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
@@ -137,8 +229,14 @@ def summary_text(data: RunData, written: list[str], skipped: dict[str, str], win
              f"policies: {', '.join(names) if names else 'unknown'}",
              _versions_line(data),
              _wall_line(data)]
+    if data.sources:
+        lines.append("sources:")
+        lines += [f"  {what}: {where}" for what, where in data.sources.items()]
     if data.evals:
         lines += [_eval_line(m, data.evals[m]) for m in names if data.evals.get(m)]
+        lines.append("eval per benchmark (avg@k, unbiased pass@k):")
+        for m in names:
+            lines += eval_tables(m, data.evals.get(m) or {})
     else:
         lines.append("eval: none complete")
     parts = []

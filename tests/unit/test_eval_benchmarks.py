@@ -68,10 +68,10 @@ def test_aggregate_per_benchmark_and_their_average(store):
     names = {0: "aime", 1: "math", 2: "math", 3: "math", 4: "math"}
     out = aggregate(store, "p", benchmarks=names)[1]
     assert out["benchmarks"] == {
-        "aime": {"avg_at_k": 0.25, "pass_at_k": 1.0, "n_prompts": 1, "n_reported": 1,
-                 "n_samples": 4},
-        "math": {"avg_at_k": 7 / 16, "pass_at_k": 0.75, "n_prompts": 4, "n_reported": 4,
-                 "n_samples": 16},
+        "aime": {"avg_at_k": 0.25, "pass_at_k": 1.0, "pass_at": {"4": 1.0}, "n_prompts": 1,
+                 "n_reported": 1, "n_samples": 4},
+        "math": {"avg_at_k": 7 / 16, "pass_at_k": 0.75, "pass_at": {"4": 0.75}, "n_prompts": 4,
+                 "n_reported": 4, "n_samples": 16},
     }
     # the mean of the per-benchmark avg@k, not the sample-weighted overall avg@k (8/20)
     assert out["benchmark_average"] == pytest.approx((0.25 + 7 / 16) / 2)
@@ -83,8 +83,8 @@ def test_partial_runs_unknown_prompts_and_no_map(store):
     report(store, 2, 0, 2, 2, 2.0)
     report(store, 2, 3, 2, 0, 0.0)  # prompt 3 is in no benchmark of the map
     out = aggregate(store, "p", benchmarks={0: "a", 1: "a", 2: "b"})[2]
-    assert out["benchmarks"]["a"] == {"avg_at_k": 1.0, "pass_at_k": 1.0, "n_prompts": 2,
-                                      "n_reported": 1, "n_samples": 2}
+    assert out["benchmarks"]["a"] == {"avg_at_k": 1.0, "pass_at_k": 1.0, "pass_at": {"2": 1.0},
+                                      "n_prompts": 2, "n_reported": 1, "n_samples": 2}
     # nothing of b reported yet: listed, but left out of the average
     assert out["benchmarks"]["b"]["n_reported"] == 0 and out["benchmarks"]["b"]["n_prompts"] == 1
     assert out["benchmarks"]["unknown"]["avg_at_k"] == 0.0

@@ -192,6 +192,18 @@ def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
     assert out["eval_versions"] == [0, 2, 4] and out["versions"] == 4
 
 
+def test_summary_keeps_pass_at_k_and_benchmark_tables():
+    """summary.json carries what a report without the dataflow DB needs for its eval tables."""
+    from astralight.launch import build_summary
+
+    row = {"complete": True, "avg_at_k": 0.5, "pass_at_k": 0.75, "k": 4, "n": 8,
+           "pass_at": {"1": 0.5, "4": 0.75}, "benchmark_average": 0.5,
+           "benchmark_average_pass_at_k": 0.75, "benchmark_average_pass_at": {"1": 0.5},
+           "benchmarks": {"aime24": {"avg_at_k": 0.5}}, "internal": 1}
+    out = build_summary({"models": {}}, {4: row}, None, "policy", 4)
+    assert out["eval"][4] == {k: v for k, v in row.items() if k not in ("complete", "internal")}
+
+
 def test_summary_when_the_final_eval_or_counters_are_missing():
     from astralight.launch import build_summary
 
