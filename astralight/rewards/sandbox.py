@@ -50,15 +50,22 @@ them) and there is no seccomp filter, no cgroup memory/pids limit (``RLIMIT_AS``
 Without namespaces (``isolation="basic"``, or hosts that refuse ``unshare``) there is no network or
 filesystem isolation beyond the guard and the uid's permissions: run such hosts' rewards inside a
 real container. Every result lists the layers that were actually applied in ``isolation``.
+
+:func:`run_call` runs a program the same way (same process, layers and limits; empty stdin) but,
+instead of executing it as a script, a harness imports it, calls one named function with JSON
+arguments and reports the return value as JSON on a pipe of its own; its docstring gives the
+threat model (the expected value never enters the sandbox; the caller compares).
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import logging
 import math
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -71,7 +78,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SandboxResult", "SandboxError", "run_program", "isolation_support"]
+__all__ = ["SandboxResult", "SandboxError", "run_program", "run_call", "CALL_PRELUDE",
+           "isolation_support"]
 
 MEMORY_EXIT = 117  # the runner's exit code for an uncaught MemoryError (RLIMIT_AS hit)
 NS_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
@@ -94,7 +102,9 @@ class SandboxResult:
     children it waited for (None when it was killed before reporting). ``stdout``/``stderr`` keep
     the first ``output_cap`` bytes (decoded as UTF-8 with replacement); ``*_truncated`` says when
     more was written. ``pgid`` is the process group the run lived in (all of it is killed at the
-    end). ``isolation`` names the layers applied.
+    end). ``isolation`` names the layers applied. :func:`run_call` only: ``returned`` is the JSON
+    text of the value the called function returned (None when the harness did not report one
+    validly; ``harness_error`` says why).
     """
 
     status: str
@@ -108,6 +118,8 @@ class SandboxResult:
     signal: int | None = None
     pgid: int = 0
     isolation: tuple[str, ...] = field(default_factory=tuple)
+    returned: str | None = None
+    harness_error: str = ""
 
     @property
     def ok(self) -> bool:
@@ -206,6 +218,8 @@ try:
             os.close(status_fd)
             os.close(err_r)
             os.set_inheritable(code_fd, True)
+            if cfg["result_fd"] >= 0:
+                os.set_inheritable(cfg["result_fd"], True)
             libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
             if uid is not None:
                 os.setgroups([])
@@ -221,7 +235,8 @@ try:
             resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
             py = cfg["python"]
             os.execve(py, [py, "-I", "-S", "-B", "-c", cfg["runner"], str(code_fd),
-                           "1" if cfg["guard"] else "0", str(cfg["memory_exit"])], {})
+                           "1" if cfg["guard"] else "0", str(cfg["memory_exit"]),
+                           str(cfg["result_fd"])], {})
         except BaseException as e:
             try:
                 os.write(err_w, ("%s: %s" % (type(e).__name__, e)).encode())
@@ -229,6 +244,8 @@ try:
                 os._exit(127)
     os.close(err_w)
     os.close(code_fd)
+    if cfg["result_fd"] >= 0:
+        os.close(cfg["result_fd"])  # only the runner may hold the result pipe open
     err = b""
     while True:
         chunk = os.read(err_r, 4096)
@@ -308,8 +325,60 @@ def _guard(root):
 
     sys.addaudithook(hook)
 
+def _out_of_memory(g, memory_exit):
+    g.clear()
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
+    os_.write(2, b"MemoryError: the program exceeded its memory limit\n")
+    os_._exit(memory_exit)
+
+def _call(raw, result_fd, guard, memory_exit):
+    # Function-call harness (see run_call): everything it needs is read and bound before the
+    # candidate's code runs; the expected value is never here, only the arguments.
+    import json
+    spec = json.loads(raw)
+    dumps, write = json.dumps, os_.write
+    nonce, fn_name = spec["nonce"], spec["fn_name"]
+    args = json.loads(spec["args"])
+    prelude = compile(spec["prelude"], "<prelude>", "exec")
+    code = compile(spec["code"], "solution.py", "exec")
+    del spec, raw
+    sys.argv = ["solution.py"]
+    if guard:
+        import posixpath
+        _guard(posixpath.realpath(os_.getcwd()))
+    # not "__main__": an `if __name__ == "__main__":` block (a stdin driver) must not run
+    g = {"__name__": "solution", "__builtins__": __builtins__, "__file__": "solution.py"}
+    try:
+        exec(prelude, g)
+        exec(code, g)
+        cls = g.get("Solution")
+        if isinstance(cls, type) and hasattr(cls, fn_name):
+            target = getattr(cls(), fn_name)  # LeetCode style
+        elif callable(g.get(fn_name)):
+            target = g[fn_name]
+        else:
+            raise NameError("the program defines neither Solution.%s nor a function %s"
+                            % (fn_name, fn_name))
+        value = target(*args)
+        line = dumps({"nonce": nonce, "value": value}) + "\n"
+    except MemoryError:
+        _out_of_memory(g, memory_exit)
+    data = line.encode("ascii")
+    while data:
+        data = data[write(result_fd, data):]
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os_._exit(0)  # no atexit hooks or lingering threads of the program run after the record
+
 def _main():
     code_fd, guard, memory_exit = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+    result_fd = int(sys.argv[4])
     chunks = []
     while True:
         b = os_.read(code_fd, 1 << 16)
@@ -317,7 +386,11 @@ def _main():
             break
         chunks.append(b)
     os_.close(code_fd)
-    code = compile(b"".join(chunks), "solution.py", "exec")
+    raw = b"".join(chunks)
+    del chunks
+    if result_fd >= 0:
+        return _call(raw, result_fd, guard, memory_exit)
+    code = compile(raw, "solution.py", "exec")
     sys.argv = ["solution.py"]
     if guard:
         import posixpath
@@ -326,13 +399,7 @@ def _main():
     try:
         exec(code, g)
     except MemoryError:
-        g.clear()
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            pass
-        os_.write(2, b"MemoryError: the program exceeded its memory limit\n")
-        os_._exit(memory_exit)
+        _out_of_memory(g, memory_exit)
 
 _main()
 '''
@@ -427,6 +494,140 @@ def run_program(code: str, stdin: str = "", *, cpu_s: float = 2.0, wall_s: float
         uid: user to run as when the parent is root (None: stay root — then RLIMIT_NPROC is not
             enforced). Ignored when not root.
     """
+    result, _, _ = _execute(code, stdin, None, cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb,
+                            file_size_mb=file_size_mb, max_processes=max_processes,
+                            output_cap=output_cap, max_output_bytes=max_output_bytes,
+                            disk_mb=disk_mb, isolation=isolation, guard=guard, uid=uid)
+    return result
+
+
+#: Trusted source run in the program's namespace before it, in :func:`run_call` only: the
+#: standard-library names LeetCode-style solutions use without importing them (``List``,
+#: ``Optional``, ``defaultdict``, ``heappush``, ...), as LiveCodeBench's and TACO's call-based
+#: judges prepend; no star import, so no builtin (``pow``, ``open``) is shadowed. The recursion
+#: limit matches LiveCodeBench's judge (deep DFS solutions are common).
+CALL_PRELUDE = """\
+import sys, math, re, string, copy, heapq, bisect, itertools, functools, operator, collections
+import random, datetime
+from typing import (Any, Callable, DefaultDict, Deque, Dict, FrozenSet, Generator, Iterable,
+                    Iterator, List, Optional, Set, Tuple, Union)
+from collections import Counter, OrderedDict, defaultdict, deque, namedtuple
+from itertools import (accumulate, chain, combinations, combinations_with_replacement, count,
+                       cycle, groupby, islice, pairwise, permutations, product, repeat,
+                       zip_longest)
+from functools import cache, cmp_to_key, lru_cache, partial, reduce
+from heapq import (heapify, heappop, heappush, heappushpop, heapreplace, merge, nlargest,
+                   nsmallest)
+from bisect import bisect, bisect_left, bisect_right, insort, insort_left, insort_right
+from math import (ceil, comb, factorial, floor, gcd, inf, isqrt, lcm, log, log2, log10, perm,
+                  pi, prod, sqrt)
+from string import ascii_letters, ascii_lowercase, ascii_uppercase, digits
+from copy import deepcopy
+from operator import attrgetter, itemgetter
+sys.setrecursionlimit(50000)
+"""
+
+
+def run_call(code: str, fn_name: str, args_json: str, *, cpu_s: float = 2.0,
+             wall_s: float = 5.0, memory_mb: int = 256, file_size_mb: int = 1,
+             max_processes: int = 0, output_cap: int = 64 * 1024,
+             max_output_bytes: int = 8 * 1024 * 1024, disk_mb: int = 16,
+             isolation: str = "auto", guard: bool = True, uid: int | None = 65534,
+             result_cap: int = 64 * 1024, prelude: str = CALL_PRELUDE) -> SandboxResult:
+    """Import ``code`` and call ``Solution().<fn_name>`` (when the program defines a class
+    ``Solution`` with that attribute, LeetCode style) or else its top-level function
+    ``<fn_name>`` with the arguments ``args_json`` (JSON text of a list); report what it returned.
+
+    The run has exactly the layers and limits of :func:`run_program` (same keywords, one process
+    per call; stdin is empty). After :data:`CALL_PRELUDE` and the program's module body
+    (``__name__`` is ``"solution"``, so an ``if __name__ == "__main__":`` driver does not run) the
+    harness calls the function, writes ``{"nonce", "value"}`` as one JSON line to a pipe of its
+    own and ends the process with ``os._exit(0)``. The parent reads that pipe (``result_cap``
+    bytes at most) and sets ``result.returned`` to the JSON text of the value, or leaves it None
+    and says why in ``result.harness_error``. A crash, timeout, memory or output overrun, an early
+    ``sys.exit``/``os._exit``, a value JSON cannot encode (a set, an object) or anything but
+    exactly one well-formed record with the right nonce on the pipe leaves ``returned`` None.
+
+    Threat model. The candidate program runs in the same interpreter as the harness, after it,
+    so it can do anything the harness can: read the nonce (e.g. from the harness's frame),
+    write to the result pipe, patch ``json``, print anything, exit at any point. The design
+    therefore trusts the child for nothing but *the value it chooses to report*:
+
+    - the **expected value never enters the sandbox** (only the arguments do) and the parent
+      compares (:func:`astralight.rewards.code.returns_match`), so there is no "PASS" for the
+      child to print or forge: every way of tampering with the channel amounts to choosing the
+      reported value, which a program can do honestly by returning it;
+    - stdout/stderr are never parsed, so printing the expected output does nothing;
+    - exiting before the harness writes (``sys.exit(0)`` at import time or in the function,
+      ``os._exit``) leaves no record: the case fails even though the exit status is 0;
+    - a record written by the program *and* the harness's record make two records: the case
+      fails; garbage or a wrong nonce fails; a flood of bytes is cut at ``result_cap`` (fails)
+      and counts towards ``max_output_bytes`` (killed);
+    - the nonce (fresh per call, ``secrets``) is not a secret from a determined program; it binds
+      a record to this run and keeps stray writes (a program that happens to write JSON to an
+      inherited descriptor) from ever passing;
+    - the parent parses the record with ``json`` only (no pickle, no ``eval``); a value too deep
+      to parse is a failure, not a parent crash.
+
+    Out of scope, as for stdin programs: a program that learns expected outputs outside the
+    sandbox channel (e.g. from examples in the problem statement, or by reading the parent's
+    memory when the host allows neither namespaces nor a separate uid; see the module
+    docstring's limits).
+    """
+    if not isinstance(fn_name, str) or not fn_name.isidentifier():
+        raise ValueError(f"fn_name: expected a Python identifier, got {fn_name!r}")
+    try:
+        args = json.loads(args_json)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"args_json: not JSON text of a list of arguments ({e})") from None
+    if not isinstance(args, list):
+        raise ValueError(f"args_json: expected JSON text of a list of arguments, "
+                         f"got a {type(args).__name__}")
+    if result_cap < 64:
+        raise ValueError(f"result_cap: must be >= 64 bytes, got {result_cap}")
+    nonce = secrets.token_hex(16)
+    payload = json.dumps({"code": code, "fn_name": fn_name, "args": args_json, "nonce": nonce,
+                          "prelude": prelude})
+    result, data, truncated = _execute(
+        payload, "", result_cap, cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb,
+        file_size_mb=file_size_mb, max_processes=max_processes, output_cap=output_cap,
+        max_output_bytes=max_output_bytes, disk_mb=disk_mb, isolation=isolation, guard=guard,
+        uid=uid)
+    if result.status != "ok":
+        result.harness_error = f"the run ended with status {result.status!r}"
+    else:
+        result.returned, result.harness_error = _read_record(data, truncated, nonce)
+    return result
+
+
+def _read_record(data: bytes, truncated: bool, nonce: str) -> tuple[str | None, str]:
+    """(JSON text of the reported value, "") or (None, why there is no valid record)."""
+    if truncated:
+        return None, "the result record exceeded result_cap"
+    if not data:
+        return None, "no result record (the program exited before the harness reported)"
+    lines = data.split(b"\n")
+    if len(lines) != 2 or lines[1]:
+        return None, "not exactly one result record on the result pipe"
+    try:
+        record = json.loads(lines[0].decode("ascii"))
+        if not isinstance(record, dict) or set(record) != {"nonce", "value"}:
+            return None, "malformed result record"
+        if not isinstance(record["nonce"], str) or not hmac.compare_digest(
+                record["nonce"], nonce):
+            return None, "result record with a wrong nonce"
+        return json.dumps(record["value"]), ""
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"unreadable result record ({type(e).__name__})"
+
+
+def _execute(payload: str, stdin: str, result_cap: int | None, *, cpu_s: float, wall_s: float,
+             memory_mb: int, file_size_mb: int, max_processes: int, output_cap: int,
+             max_output_bytes: int, disk_mb: int, isolation: str, guard: bool,
+             uid: int | None) -> tuple[SandboxResult, bytes, bool]:
+    """One sandboxed run of the runner. ``payload`` is the program (stdin mode, ``result_cap``
+    None) or the JSON call spec of :func:`run_call` (with a result pipe kept to ``result_cap``
+    bytes). Returns (result, result-pipe bytes, whether they were cut)."""
     if wall_s <= 0 or cpu_s <= 0:
         raise ValueError(f"cpu_s/wall_s: must be > 0, got cpu_s={cpu_s} wall_s={wall_s}")
     if memory_mb < 32:
@@ -454,27 +655,31 @@ def run_program(code: str, stdin: str = "", *, cpu_s: float = 2.0, wall_s: float
         layers.append("guard")
 
     base = tempfile.mkdtemp(prefix="astralight-sbx-")
-    status_r = status_w = -1
+    status_r = status_w = result_r = result_w = -1
     proc = None
     try:
         code_path = os.path.join(base, "code.py")
         stdin_path = os.path.join(base, "stdin")
         workdir = os.path.join(base, "work")
         with open(code_path, "w", encoding="utf-8") as f:
-            f.write(code)
+            f.write(payload)
         with open(stdin_path, "w", encoding="utf-8") as f:
             f.write(stdin)
         os.mkdir(workdir, 0o700)
         if run_uid is not None:
             os.chmod(base, 0o711)  # the uid must reach its working directory (basic mode)
         status_r, status_w = os.pipe()
+        pass_fds = [status_w]
+        if result_cap is not None:
+            result_r, result_w = os.pipe()
+            pass_fds.append(result_w)
         cfg = {
             "status_fd": status_w, "code_path": code_path, "workdir": workdir,
             "namespaces": use_ns, "disk_mb": int(disk_mb), "hidden_ancestor": hidden,
             "prefix": prefix, "python": exe, "uid": run_uid, "guard": bool(guard),
             "cpu_limit": max(1, math.ceil(cpu_s)), "memory_mb": int(memory_mb),
             "file_size_mb": int(file_size_mb), "nproc": 1 + int(max_processes),
-            "memory_exit": MEMORY_EXIT, "runner": _RUNNER,
+            "memory_exit": MEMORY_EXIT, "runner": _RUNNER, "result_fd": result_w,
         }
         cmd = [exe, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)]
         if use_ns:
@@ -482,12 +687,20 @@ def run_program(code: str, stdin: str = "", *, cpu_s: float = 2.0, wall_s: float
         start = time.monotonic()
         with open(stdin_path, "rb") as fin:
             proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=(status_w,), env={},
+                                    stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), env={},
                                     cwd=base, start_new_session=True)
         os.close(status_w)
         status_w = -1
+        if result_w >= 0:
+            os.close(result_w)
+            result_w = -1
         pgid = proc.pid
-        out, err, timed_out, overflow = _pump(proc, start + wall_s, output_cap, max_output_bytes)
+        streams = {"out": (proc.stdout.fileno(), output_cap),
+                   "err": (proc.stderr.fileno(), output_cap)}
+        if result_r >= 0:
+            streams["res"] = (result_r, int(result_cap))
+        bufs, timed_out, overflow = _pump(proc, start + wall_s, streams, max_output_bytes)
+        out, err = bufs["out"], bufs["err"]
         _terminate(proc, pgid)
         wall = time.monotonic() - start
         report = _read_status(status_r)
@@ -497,7 +710,7 @@ def run_program(code: str, stdin: str = "", *, cpu_s: float = 2.0, wall_s: float
             proc.wait()
         if proc is not None:
             _wait_group_gone(proc.pid)
-        for fd in (status_r, status_w):
+        for fd in (status_r, status_w, result_r, result_w):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(base, ignore_errors=True)
@@ -524,12 +737,13 @@ def run_program(code: str, stdin: str = "", *, cpu_s: float = 2.0, wall_s: float
     else:
         rc = report["exit"]
         status = "ok" if rc == 0 else ("memory" if rc == MEMORY_EXIT else "error")
+    res = bufs.get("res", (b"", False))
     return SandboxResult(
         status=status, returncode=rc,
         stdout=bytes(out[0]).decode("utf-8", errors="replace"),
         stderr=bytes(err[0]).decode("utf-8", errors="replace"),
         cpu_s=cpu, wall_s=wall, stdout_truncated=out[1], stderr_truncated=err[1], signal=sig,
-        pgid=pgid, isolation=tuple(layers))
+        pgid=pgid, isolation=tuple(layers)), bytes(res[0]), res[1]
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -593,25 +807,29 @@ def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def _pump(proc: subprocess.Popen, deadline: float, cap: int, max_total: int):
-    """Read both pipes until the program is done, the deadline passes or output overflows.
+def _pump(proc: subprocess.Popen, deadline: float, streams: dict[str, tuple[int, int]],
+          max_total: int):
+    """Read the streams ``{name: (fd, cap)}`` until the program is done, the deadline passes or
+    the output (all streams together) overflows ``max_total``.
 
     Keeps ``cap`` bytes per stream; once the top process has exited its group is killed so that
-    leftover children cannot hold the pipes open.
+    leftover children cannot hold the pipes open. Returns ``({name: (bytes, truncated)},
+    timed_out, overflow)``.
     """
-    bufs = {"out": bytearray(), "err": bytearray()}
-    truncated = {"out": False, "err": False}
+    bufs = {name: bytearray() for name in streams}
+    truncated = {name: False for name in streams}
+    caps = {name: cap for name, (_, cap) in streams.items()}
     total = 0
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, "out")
-    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    for name, (fd, _) in streams.items():
+        sel.register(fd, selectors.EVENT_READ, name)
     pidfd = -1
     try:
         pidfd = os.pidfd_open(proc.pid)
         sel.register(pidfd, selectors.EVENT_READ, "exit")
     except (AttributeError, OSError):
         pass
-    open_streams, exited, timed_out, overflow = 2, False, False, False
+    open_streams, exited, timed_out, overflow = len(streams), False, False, False
     try:
         while open_streams or not exited:
             remaining = deadline - time.monotonic()
@@ -624,14 +842,14 @@ def _pump(proc: subprocess.Popen, deadline: float, cap: int, max_total: int):
                     sel.unregister(key.fileobj)
                     exited = True
                     continue
-                chunk = os.read(key.fileobj.fileno(), 65536)
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     open_streams -= 1
                     continue
                 total += len(chunk)
                 buf = bufs[key.data]
-                room = cap - len(buf)
+                room = caps[key.data] - len(buf)
                 if room > 0:
                     buf += chunk[:room]
                 if len(chunk) > max(room, 0):
@@ -648,8 +866,7 @@ def _pump(proc: subprocess.Popen, deadline: float, cap: int, max_total: int):
         sel.close()
         if pidfd >= 0:
             os.close(pidfd)
-    return ((bufs["out"], truncated["out"]), (bufs["err"], truncated["err"]), timed_out,
-            overflow)
+    return {name: (bufs[name], truncated[name]) for name in streams}, timed_out, overflow
 
 
 def _read_status(fd: int) -> dict:
