@@ -6,9 +6,13 @@
 - every ``astralight <sub-command>`` found in a script or a manifest uses only flags that its
   ``--help`` lists (``fit``'s ``--model.*`` / ``--data.*`` must be init arguments of the classes
   the trainer configs name), and every config file it names exists in this repository;
-- the autoscaler's command templates name the instance they act on.
+- the autoscaler's command templates name the instance they act on;
+- the Slurm scripts, run under bash with stand-ins for sbatch/srun/scancel/squeue and astralight:
+  each trainer step gets its own MASTER_PORT and --cpus-per-task, resumes (``--ckpt_path last``,
+  a run folder named by the run, not the job id), the token reaches processes but never a
+  submitted job's environment, and a dataflow that does not come up fails the job.
 
-No cluster is needed: the commands are read, not run (only ``--help``).
+No cluster is needed: the commands are read (only ``--help`` runs) or run against stand-ins.
 """
 
 from __future__ import annotations
@@ -270,3 +274,195 @@ def test_script_syntax(path):
     out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert path.read_text().startswith("#!/bin/bash")
+
+
+# ------------------------------------------------------------------------------ the Slurm scripts, run
+#
+# The sbatch scripts run for real under bash with stand-ins for the cluster's commands on PATH
+# (sbatch, srun, scancel, squeue, hostname, openssl) and for astralight itself; each stand-in
+# records its argv and the environment variables that matter. srun applies ``--export=ALL,K=V``
+# as Slurm does, so what the trainer sees is what the step exported.
+
+FAKE = r'''#!PYTHON
+import json, os, signal, subprocess, sys, time
+
+name = os.path.basename(sys.argv[0])
+argv = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"cmd": name, "argv": argv, "token": os.environ.get("ASTRALIGHT_TOKEN"),
+                        "master_port": os.environ.get("MASTER_PORT")}) + "\n")
+
+
+def serve_until_term():
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    while True:
+        time.sleep(0.1)
+
+
+if name == "hostname":
+    print("node1.cluster")
+elif name == "openssl":
+    print("ab" * 32)
+elif name == "sbatch":
+    print("4242")
+elif name == "squeue":
+    print("RUNNING" if os.environ.get("FAKE_SQUEUE_RUNNING") else "")
+elif name == "srun":
+    env, i = dict(os.environ), 0
+    while argv[i].startswith("-"):
+        if argv[i].startswith("--export="):
+            for kv in argv[i].split("=", 1)[1].split(",")[1:]:
+                k, v = kv.split("=", 1)
+                env[k] = v
+        i += 1
+    os.execvpe(argv[i], argv[i:], env)
+elif name == "astralight":
+    if argv[:2] == ["dataflow", "serve"]:
+        if os.environ.get("FAKE_DATAFLOW") == "crash":
+            print("Traceback: boom", flush=True)
+            sys.exit(1)
+        if os.environ.get("FAKE_DATAFLOW") != "silent":
+            print("dataflow serving on http://0.0.0.0:8400", flush=True)
+        serve_until_term()
+    if argv[0] == "autoscale":
+        launch = argv[argv.index("--launch-cmd") + 1].replace("{instance}", "raas-x-0")
+        subprocess.run(launch, shell=True, check=True, stdout=subprocess.DEVNULL)
+        serve_until_term()
+    if argv[0] == "fit" and os.environ.get("FAKE_FIT_AFTER"):  # run until that command was seen
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(os.environ["FAKE_LOG"]) as f:
+                if any(json.loads(line)["cmd"] == os.environ["FAKE_FIT_AFTER"] for line in f):
+                    break
+            time.sleep(0.05)
+'''
+FAKE_COMMANDS = ("hostname", "openssl", "sbatch", "srun", "scancel", "squeue", "astralight")
+TOKEN_IN_FILE = "ab" * 32
+
+
+@pytest.fixture
+def slurm_sandbox(tmp_path):
+    """``run(script, **env) -> (returncode, stderr, records)`` in a scratch submit directory."""
+    import json
+    import os
+    import signal
+
+    bin_dir, work, home = tmp_path / "bin", tmp_path / "work", tmp_path / "home"
+    for d in (bin_dir, work, home):
+        d.mkdir()
+    for name in FAKE_COMMANDS:
+        (bin_dir / name).write_text(FAKE.replace("PYTHON", sys.executable, 1))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+
+    def run(script: str, **env: str):
+        log.write_text("")
+        full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home),
+                "FAKE_LOG": str(log), "SLURM_SUBMIT_DIR": str(work), "SLURM_JOB_ID": "1234567",
+                "SLURM_JOB_NAME": "astralight-main", "SLURM_CPUS_PER_TASK": "8",
+                "ASTRALIGHT_TOKEN": "exported-in-the-login-shell", **env}
+        proc = subprocess.Popen(["bash", str(CLUSTER / "slurm" / script)], env=full, cwd=work,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # stand-ins a failing script left behind
+            except ProcessLookupError:
+                pass
+        calls = [json.loads(line) for line in log.read_text().splitlines()]
+        return proc.returncode, out + err, calls
+
+    run.work = work
+    run.home = home
+    return run
+
+
+def _calls(calls, cmd, *first):
+    return [c for c in calls if c["cmd"] == cmd and c["argv"][:len(first)] == list(first)]
+
+
+def test_slurm_trainer_steps_get_their_own_port_cpus_and_resume(slurm_sandbox):
+    rc, out, calls = slurm_sandbox(
+        "astralight-main.sbatch", CONFIG_DIR="configs/qwen3_8b/solver_verifier_math",
+        TRAINERS="trainer-solver.yaml:2 trainer-verifier.yaml:2")
+    assert rc == 0, out
+    fits = _calls(calls, "astralight", "fit")
+    assert len(fits) == 2
+    ports = [int(c["master_port"]) for c in fits]  # what Lightning's SLURMEnvironment reads
+    assert len(set(ports)) == 2 and all(1024 < p < 32768 and p != 8400 for p in ports)
+    for step in _calls(calls, "srun"):
+        assert "--cpus-per-task=8" in step["argv"], step["argv"]
+        assert any(a.startswith("--export=ALL,MASTER_PORT=") for a in step["argv"])
+    for fit in fits:
+        i = fit["argv"].index("--ckpt_path")
+        assert fit["argv"][i + 1] == "last"
+    # the run folder is named by the run, not the job id: a resubmission continues it
+    run_dir = slurm_sandbox.work / "runs" / "slurm-astralight-main-solver_verifier_math"
+    [dataflow] = _calls(calls, "astralight", "dataflow", "serve")
+    state = dataflow["argv"][dataflow["argv"].index("--state_dir") + 1]
+    assert state == "runs/slurm-astralight-main-solver_verifier_math/dataflow"
+    assert run_dir.is_dir()
+    # the token: from the run's file into the dataflow and the trainers, never into sbatch
+    assert dataflow["token"] == TOKEN_IN_FILE and all(f["token"] == TOKEN_IN_FILE for f in fits)
+    [pool] = _calls(calls, "sbatch")
+    assert pool["token"] is None
+    assert any(a.startswith("--export=ALL,") and "ASTRALIGHT_TOKEN_FILE=" in a
+               and "ASTRALIGHT_TOKEN=" not in a for a in pool["argv"])
+    assert _calls(calls, "scancel", "--signal=TERM", "4242")  # the pool is retired at the end
+
+    rc, out, again = slurm_sandbox(
+        "astralight-main.sbatch", CONFIG_DIR="configs/qwen3_8b/solver_verifier_math",
+        TRAINERS="trainer-solver.yaml:2 trainer-verifier.yaml:2", SLURM_JOB_ID="1234999")
+    assert rc == 0, out
+    [dataflow2] = _calls(again, "astralight", "dataflow", "serve")
+    assert dataflow2["argv"] == dataflow["argv"] and dataflow2["token"] == TOKEN_IN_FILE
+    # ... but not while another job still runs in that folder
+    rc, out, busy = slurm_sandbox(
+        "astralight-main.sbatch", CONFIG_DIR="configs/qwen3_8b/solver_verifier_math",
+        SLURM_JOB_ID="1235000", FAKE_SQUEUE_RUNNING="1")
+    assert rc != 0 and "still running" in out and not _calls(busy, "astralight")
+
+
+def test_slurm_autoscaler_submits_raas_jobs_without_the_token(slurm_sandbox):
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", AUTOSCALE_MIN="1", AUTOSCALE_MAX="3",
+                                   FAKE_FIT_AFTER="sbatch")  # launched while the trainer runs
+    assert rc == 0, out
+    [scaler] = _calls(calls, "astralight", "autoscale")
+    assert scaler["token"] == TOKEN_IN_FILE  # it talks to the dataflow
+    [job] = _calls(calls, "sbatch")  # what its --launch-cmd submitted
+    assert job["token"] is None and "--job-name=raas-x-0" in job["argv"]
+
+
+@pytest.mark.parametrize("mode,message", [("silent", "did not report"),
+                                          ("crash", "exited during start-up")])
+def test_slurm_stops_when_the_dataflow_does_not_come_up(slurm_sandbox, mode, message):
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", DATAFLOW_WAIT_S="2",
+                                   FAKE_DATAFLOW=mode)
+    assert rc != 0 and message in out, out
+    assert not _calls(calls, "sbatch") and not _calls(calls, "srun")
+
+
+def test_slurm_raas_job_reads_the_token_file(slurm_sandbox):
+    token_file = slurm_sandbox.home / "token"
+    token_file.write_text("cd" * 32 + "\n")
+    rc, out, calls = slurm_sandbox("raas.sbatch", DATAFLOW_URL="http://node1:8400",
+                                   ASTRALIGHT_TOKEN_FILE=str(token_file), SLURM_CPUS_PER_TASK="6")
+    assert rc == 0, out
+    [step] = _calls(calls, "srun")
+    assert "--cpus-per-task=6" in step["argv"]
+    [serve] = _calls(calls, "astralight", "raas", "serve")
+    assert serve["token"] == "cd" * 32
+
+
+def test_lightning_takes_master_port_from_the_environment(monkeypatch):
+    """What the per-step MASTER_PORT relies on: SLURMEnvironment prefers MASTER_PORT to the port
+    it derives from the job id (the same for every step of a job)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1234567")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    derived = SLURMEnvironment().main_port
+    monkeypatch.setenv("MASTER_PORT", "20571")
+    assert derived != 20571 and SLURMEnvironment().main_port == 20571

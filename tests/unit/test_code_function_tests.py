@@ -277,3 +277,23 @@ def test_the_harness_works_under_each_isolation_mode(config):
     assert run_tests(RIGHT[0], parsed(0), **LIMITS, **config).all_passed
     assert run_tests(SPOOFS["stolen nonce, forged record, then a wrong return"], parsed(0)[:1],
                      **LIMITS, **config).passed == 0
+
+
+def test_deepcoder_source_keeps_call_rows_only_when_functional(tmp_path):
+    """DeepCoderSource: by default call-based rows are skipped (counted as "functional");
+    with functional=True they load as call tests, and their prompt asks for the function (the
+    stdin template would ask for a program that reads input)."""
+    from astralight.tasks.data.presets import DeepCoderSource
+
+    path = str(FIX / "deepcoder_function_calls.jsonl")
+    rows = sum(1 for line in open(path) if line.strip())
+    with pytest.raises(ValueError, match=f"'functional': {rows}"):  # nothing usable: said why
+        DeepCoderSource(path)
+    calls = DeepCoderSource(path, functional=True)
+    assert len(calls) == rows
+    for i in range(rows):
+        prompt = calls.get(i)
+        tests = prompt.metadata["hidden_tests"]
+        assert kind_of_tests(tests) == "call"
+        text = prompt.prompt if isinstance(prompt.prompt, str) else prompt.prompt[-1]["content"]
+        assert f"`{tests[0]['fn_name']}`" in text and "do not read input" in text

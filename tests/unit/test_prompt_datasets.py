@@ -45,6 +45,50 @@ def test_dapo_math_dedupes_strips_its_instruction_and_maps_nested_fields():
     assert raw.get(0).prompt.endswith('after "Answer:".')
 
 
+def test_dapo_filter_suffix_is_stripped_as_dr_mas_does():
+    """AstraFlow A.2 (following Dr. MAS) strips the trailing "Let's think step by step ...
+    \\boxed{}" of HF aaabiao/dapo_filter at load time so the workflow's role prompts own the
+    answer format: A.9's wording and DeepScaleR's, a typographic apostrophe, extra whitespace and
+    line breaks; a phrase inside the problem and a problem without the suffix stay as they are."""
+    src = DAPOMathSource(str(FIX / "dapo_filter.parquet"), prompt_template="{prompt}")
+    assert src.stats["duplicates"] == 1 and len(src) == 4
+    got = {src.get(i).prompt_id: src.get(i).prompt for i in range(len(src))}
+    assert got == {
+        "f-0": "Find $x$ if $3x = 12$.",
+        "f-1": "How many edges does a cube have?",
+        "f-2": 'Alice writes $\\boxed{5}$ and says "Let\'s think step by step". What is $5 + 5$?',
+        "f-3": "Compute $2^5$.",
+    }
+    assert src.get(0).metadata == {"answer": "4", "benchmark": "dapo_math"}
+    # the shipped solver/verifier source: only the bare problem reaches {problem}
+    kept = DAPOMathSource(str(FIX / "dapo_filter.parquet"), strip_instruction=False,
+                          prompt_template="{prompt}")
+    assert kept.get(1).prompt.rstrip().endswith("\\boxed{}.")
+    # the default template adds exactly one instruction back (not two)
+    default = DAPOMathSource(str(FIX / "dapo_filter.parquet"))
+    assert all(default.get(i).prompt.count("step by step") == 1 for i in (0, 1, 3))
+
+
+def test_dapo_suffix_strip_edge_cases():
+    src = DAPOMathSource(str(FIX / "dapo_filter.parquet"), prompt_template="{prompt}")
+    clean = src.clean_prompt
+    # both instructions at once: DAPO-17k's wrapper around a problem with the suffix
+    wrapped = ("Solve the following math problem step by step. The last line of your response "
+               "should be of the form Answer: $Answer.\n\nFind $y$. Let's think step by step. "
+               "Please put your final answer within $\\boxed{}$.\n\nRemember to put your answer "
+               "on its own line after \"Answer:\".")
+    assert clean(wrapped) == "Find $y$."
+    # a suffix alone is never stripped down to an empty prompt
+    bare = "Let's think step by step. Please put your final answer within \\boxed{}."
+    assert clean(bare) == bare
+    # the instruction must close the prompt: text after \boxed{} keeps it
+    mid = "Let's think step by step and output \\boxed{} at the end. Then add 1 to it."
+    assert clean(mid) == mid
+    # more than 200 characters between "step by step" and \boxed{}: not the instruction
+    long = "Find z. Let's think step by step " + "x" * 250 + " \\boxed{}."
+    assert clean(long) == long
+
+
 def test_deepscaler_json_array_and_save_to_disk_dataset_dict():
     src = DeepScaleRSource(str(FIX / "deepscaler.json"))
     assert len(src) == 3

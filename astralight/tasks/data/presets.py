@@ -6,14 +6,16 @@ format, shuffle, limit -- passes through):
 
 ======================  ===================================================================
 ``DAPOMathSource``      DAPO-Math-17k (Parquet, verl layout): ``prompt[0].content`` (DAPO's
-                        own "Answer:" instruction stripped by default), answer
+                        own "Answer:" instruction and the Dr. MAS copy's trailing "Let's
+                        think step by step ... \\boxed{}" stripped by default), answer
                         ``reward_model.ground_truth``, id ``extra_info.index``; the release
                         repeats each prompt ~100 times, so rows are de-duplicated by id.
 ``DeepScaleRSource``    DeepScaleR-Preview-Dataset (JSON): ``problem``, ``answer``.
 ``DeepCoderSource``     DeepCoder-Preview-Dataset (Parquet per subset): ``problem``; ``tests``
                         normalised to stdin/stdout cases in ``metadata["hidden_tests"]`` for
                         :class:`~astralight.rewards.code.HiddenTestsReward`; call-based
-                        problems skipped and counted.
+                        problems skipped and counted, or (``functional: true``) kept as
+                        function-call tests with a "write this function" prompt.
 ``AIME24Source`` ...    eval sets AIME 2024 / AIME 2025 / AMC / MATH-500 / Minerva-Math, any of
                         their public copies: the problem is the first of ``problem``,
                         ``Problem``, ``question``; the answer of ``answer``, ``Answer``,
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import re
 
-from astralight.tasks.data.code_tests import normalize_tests
+from astralight.tasks.data.code_tests import call_prompt, kind_of_tests, normalize_tests
 from astralight.tasks.data.fields import has_any, pick
 from astralight.tasks.data.source import FileSource, MultiBenchmarkSource, SkipRow
 
@@ -47,6 +49,17 @@ CODE_TEMPLATE = ("{prompt}\n\nWrite a Python 3 program that reads the input from
 _DAPO_WRAPPER = re.compile(
     r"^\s*Solve the following math problem step by step\..*?\n\n(?P<problem>.*)\n\n"
     r"Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
+#: the trailing reasoning instruction of the Dr. MAS copy of DAPO (HF ``aaabiao/dapo_filter``),
+#: which AstraFlow Appendix A.2 strips at load time: "Let's think step by step ... \\boxed{}". Appendix
+#: A.9 gives the single-agent suffix verbatim, "Let's think step by step. Please put your final
+#: answer within \\boxed{}."; the DeepScaleR wording ("... and output the final answer within
+#: \\boxed{}.") matches too. Tolerant of whitespace and line breaks, of a typographic apostrophe,
+#: of ``$\\boxed{}$``; anchored at the end, and the span between "step by step" and
+#: ``\\boxed{}`` is at most 200 characters, so a problem that merely mentions the phrase keeps it.
+_STEP_BY_STEP_SUFFIX = re.compile(
+    r"\s*Let['\u2019]s\s+think\s+step\s+by\s+step\b"
+    r"(?:(?!Let['\u2019]s\s+think)[\s\S]){0,200}?"
+    r"\$?\\boxed\s*\{\s*\}\s*\$?\s*\.?\s*$", re.IGNORECASE)
 
 PROBLEM_FIELDS = ["problem", "Problem", "question", "Question"]
 ANSWER_FIELDS = ["answer", "Answer", "final_answer", "solution", "Solution"]
@@ -54,8 +67,10 @@ ID_FIELDS = ["id", "ID", "unique_id", "problem_id", "idx"]
 
 
 class DAPOMathSource(FileSource):
-    """DAPO-Math-17k. ``strip_instruction`` removes DAPO's "last line: Answer: $Answer" wrapper
-    so :data:`MATH_TEMPLATE` (boxed answers) applies; with ``strip_instruction: false`` set
+    """DAPO-Math-17k and its Dr. MAS copy (HF ``aaabiao/dapo_filter``). ``strip_instruction``
+    removes DAPO's "last line: Answer: $Answer" wrapper and the trailing "Let's think step by step
+    ... \\boxed{}" suffix (AstraFlow A.2, following Dr. MAS), so :data:`MATH_TEMPLATE` or a
+    workflow's role prompts own the answer format; with ``strip_instruction: false`` set
     ``prompt_template: "{prompt}"`` and the reward's ``answer_format: boxed_or_answer_line``."""
 
     def __init__(self, path: str | list[str], strip_instruction: bool = True,
@@ -71,10 +86,16 @@ class DAPOMathSource(FileSource):
                          prompt_template=prompt_template, benchmark=benchmark, **kwargs)
 
     def clean_prompt(self, text: str) -> str:
+        """The bare problem: DAPO-Math-17k's "Solve ... Answer:" wrapper and the Dr. MAS copy's
+        trailing "Let's think step by step ... \\boxed{}" suffix removed (either or both; text
+        with neither is returned as is)."""
         if self.strip_instruction:
             m = _DAPO_WRAPPER.match(text)
             if m:
-                return m.group("problem").strip()
+                text = m.group("problem").strip()
+            stripped = _STEP_BY_STEP_SUFFIX.sub("", text, count=1).strip()
+            if stripped:  # never strip a prompt down to nothing
+                return stripped
         return text
 
 
@@ -97,30 +118,47 @@ class DeepCoderSource(FileSource):
         max_tests: keep the first N tests of a problem (tests travel with every task).
         min_tests: skip problems with fewer usable tests.
         tests_key: metadata key (HiddenTestsReward's ``tests_key``).
+        functional: keep call-based problems (TACO ``fn_name``, LiveCodeBench ``functional``,
+            PrimeIntellect ``function_call``) as function-call tests; their prompt asks for the
+            function (:func:`~astralight.tasks.data.code_tests.call_prompt`, with the row's
+            ``starter_code``) instead of a stdin program. Keep false for workflows that run
+            stdin programs only (code test generation refuses function-call tests).
     """
 
     def __init__(self, path: str | list[str], prompt_field: str | list[str] = "problem",
                  tests_field: str = "tests", prompt_template: str = CODE_TEMPLATE,
                  max_tests: int | None = None, min_tests: int = 1,
-                 tests_key: str = "hidden_tests", benchmark: str | None = "deepcoder", **kwargs):
+                 tests_key: str = "hidden_tests", benchmark: str | None = "deepcoder",
+                 functional: bool = False, **kwargs):
         if min_tests < 1:
             raise ValueError(f"min_tests: must be >= 1, got {min_tests}")
         if max_tests is not None and max_tests < min_tests:
             raise ValueError(f"max_tests: must be >= min_tests ({min_tests}), got {max_tests}")
         self.tests_field, self.max_tests, self.min_tests = tests_field, max_tests, min_tests
-        self.tests_key = tests_key
-        self.extra_columns = (tests_field.split(".")[0],)
+        self.tests_key, self.functional = tests_key, functional
+        self.extra_columns = (tests_field.split(".")[0], "metadata", "starter_code")
         super().__init__(path, prompt_field=prompt_field, answer_field=None,
                          prompt_template=prompt_template, benchmark=benchmark, **kwargs)
 
     def row_metadata(self, record: dict) -> dict:
         raw = pick(record, self.tests_field, "tests_field")
-        tests, reason = normalize_tests(raw, self.max_tests)
+        tests, reason = normalize_tests(raw, self.max_tests, functional=self.functional,
+                                        metadata=record.get("metadata"))
         if tests is None:
             raise SkipRow(reason)
         if len(tests) < self.min_tests:
             raise SkipRow("too_few_tests")
         return {self.tests_key: tests}
+
+    def _build(self, record: dict, row: int, tag: str):
+        prompt_id, prompt, metadata = super()._build(record, row, tag)
+        tests = metadata.get(self.tests_key)
+        if tests and kind_of_tests(tests) == "call":  # the stdin template asks for the wrong program
+            problem = self.clean_prompt(pick(record, self.prompt_field, "prompt_field"))
+            text = call_prompt(problem, tests[0]["fn_name"], record.get("starter_code") or "")
+            prompt = text if self.prompt_format == "text" else prompt[:-1] + [
+                {"role": "user", "content": text}]
+        return prompt_id, prompt, metadata
 
 
 class MathEvalSource(FileSource):
