@@ -169,19 +169,18 @@ def shard_from_rank0(model: torch.nn.Module, mesh, precision: str | None,
 
     Why: loading the full fp32 model on every rank costs world-size full copies of host memory at
     start-up (a 14B policy on 8 GPUs of one machine: 8 x 56 GB); this way one copy is read, and a
-    rank other than zero holds at most its shards plus one full tensor (the largest, e.g. the
-    embedding) at a time.
+    rank other than zero holds its shards plus one full tensor (the one being broadcast) at most.
 
-    How: rank zero keeps references to its full parameters before sharding; every rank shards;
-    the meta ranks allocate their shards (``to_empty``); then parameter by parameter rank zero
-    broadcasts the full tensor and every rank copies its ``Shard(0)`` chunk (FSDP2 shards dim 0
-    as ``torch.chunk`` does) into its local shard in place; finally every buffer (e.g. the
-    non-persistent rotary ``inv_freq``, which no state dict carries) is broadcast. Tied
-    parameters are one parameter and go once. In a one-process run this is :func:`shard`.
-    (``set_model_state_dict(broadcast_from_rank0=True)`` does the same but clones every local
-    shard before loading it: twice the shards at the peak.)
+    How: rank zero keeps references to its full tensors (``state_dict()`` before sharding);
+    every rank shards; the meta ranks allocate their shards (``to_empty``); then
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` broadcasts the
+    tensors one by one and every rank copies its slice into its shard in place; finally every
+    buffer is broadcast too (the non-persistent ones, e.g. the rotary ``inv_freq``, are in no
+    state dict and ``to_empty`` left them uninitialised). In a one-process run this is
+    :func:`shard`.
     """
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return shard(model, mesh, precision)
@@ -196,33 +195,14 @@ def shard_from_rank0(model: torch.nn.Module, mesh, precision: str | None,
     if rank != 0 and len(metas) != len({n for n, _ in _states(model)}):
         raise ValueError("ranks other than 0 must build the model on the meta device "
                          "(astralight.policy.empty_causal_lm)")
-    full = {n: p.detach() for n, p in model.named_parameters()} if rank == 0 else {}
+    full = {k: v.detach() for k, v in model.state_dict().items()} if rank == 0 else {}
     units = shard(model, mesh, precision)
     if rank != 0:
         model.to_empty(device=device)
-    # every rank ready before the first broadcast: a sender that runs ahead makes gloo buffer
-    # whole tensors on the receivers (measured: +250 MB at the peak of a 258M-param model)
-    dist.barrier()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    full.clear()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if rank == 0:
-                whole = full.pop(name).to(device)
-            else:
-                whole = torch.empty(param.shape, dtype=param.dtype, device=device)
-            dist.broadcast(whole, src=0)
-            if is_dtensor(param):
-                local = param.to_local()
-                _check_dim0_shard(name, param)
-                chunks = whole.chunk(world, dim=0)
-                piece = chunks[rank] if rank < len(chunks) else whole[:0]
-            else:
-                local, piece = param.data, whole
-            if local.shape != piece.shape:
-                raise RuntimeError(f"{name}: rank {rank} holds a shard of shape "
-                                   f"{tuple(local.shape)}, its chunk of the broadcast is "
-                                   f"{tuple(piece.shape)}")
-            local.copy_(piece)
-            del whole
         for name, buf in model.named_buffers():
             if buf.device != device:
                 raise ValueError(f"buffer {name} is on {buf.device}, expected {device}")
@@ -231,14 +211,6 @@ def shard_from_rank0(model: torch.nn.Module, mesh, precision: str | None,
     if left:
         raise RuntimeError(f"still on the meta device after the broadcast from rank 0: {left[:5]}")
     return units
-
-
-def _check_dim0_shard(name: str, param) -> None:
-    from torch.distributed.tensor import Shard
-
-    if tuple(param.placements) != (Shard(0),):
-        raise ValueError(f"{name}: placements {param.placements}; the broadcast from rank 0 "
-                         "handles FSDP2's Shard(0) on a 1-D data-parallel mesh only")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -321,5 +293,4 @@ def clip_grad_norm(parameters, max_norm: float | None, device=None) -> Tensor:
 
 __all__ = ["refuse_fsdp1", "data_parallel_mesh", "mixed_precision_policy", "true_dtype",
            "layer_modules", "shard", "reads_weights", "shard_from_rank0", "full_state_dict",
-           "tied_aliases",
-           "clip_grad_norm", "is_dtensor", "LIGHTNING_ISSUE"]
+           "tied_aliases", "clip_grad_norm", "is_dtensor", "LIGHTNING_ISSUE"]

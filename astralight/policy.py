@@ -281,9 +281,9 @@ class RLPolicy(pl.LightningModule):
             fsdp2.refuse_fsdp1(self.trainer.strategy)
             precision = self.trainer.precision
             mesh = fsdp2.data_parallel_mesh(self)
-        # Under FSDP2 only global rank zero reads the weights (one full copy in host memory per
-        # machine set, not per rank); the other ranks build on the meta device and receive their
-        # shards from it (fsdp2.shard_from_rank0).
+        # Under FSDP2 only global rank zero reads the weights (one full copy in host memory, not
+        # one per rank); the other ranks build on the meta device and receive their shards from
+        # it (fsdp2.shard_from_rank0).
         reads = fsdp2.reads_weights(mesh)
         build = load_causal_lm if reads else empty_causal_lm
         model = build(self.model_path, self.disable_dropout)
