@@ -300,9 +300,13 @@ def _meta_model(base: Path):
     """The base config's causal LM on the meta device: names, shapes and tying, no weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from astralight.hf_models import MODEL_LOCK, tie_if_configured
+
     config = AutoConfig.from_pretrained(base)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    with MODEL_LOCK, torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        tie_if_configured(model)
+        return model
 
 
 def _lora_spec(hparams: Mapping, model_keys: list[str], ckpt: Path) -> LoraSpec | None:
@@ -398,6 +402,9 @@ def _write_full(state: dict[str, torch.Tensor], model, base: Path, dest: Path,
                           f"{exc}") from exc
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # lm_head shares the embedding again, as from_pretrained does
+    from astralight.hf_models import tie_if_configured
+
+    tie_if_configured(model)  # (if transformers' tying is off in this process)
     on_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if on_meta:
         raise ExportError(f"the checkpoint lacks {len(on_meta)} weights of the base config "

@@ -68,6 +68,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from astralight.hf_models import MODEL_LOCK, tie_if_configured
 from astralight.lora import LoraSpec, wrap_model
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
 from astralight.rl.kl import kl_penalty
@@ -110,7 +111,10 @@ def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Mo
     from transformers import AutoModelForCausalLM
 
     config = _causal_lm_config(model_path, disable_dropout)
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    with MODEL_LOCK:  # see astralight.hf_models: loads must not overlap
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config,
+                                                     dtype=torch.float32)
+        tie_if_configured(model)
     if disable_dropout:
         _disable_dropout(model)
     return model
@@ -123,8 +127,9 @@ def empty_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.M
     from transformers import AutoModelForCausalLM
 
     config = _causal_lm_config(model_path, disable_dropout)
-    with torch.device("meta"):
+    with MODEL_LOCK, torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tie_if_configured(model)
     if disable_dropout:
         _disable_dropout(model)
     return model

@@ -76,9 +76,12 @@ def build_model(spec: TinyModelSpec | None = None):
         rope_theta=10000.0,
         torch_dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
+    from astralight.hf_models import MODEL_LOCK, tie_if_configured
+
+    with MODEL_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = Qwen3ForCausalLM(config)
+        tie_if_configured(model)
     return model
 
 

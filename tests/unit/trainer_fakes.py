@@ -22,7 +22,11 @@ class FakeDataflowClient:
                  group_size: int = 2, seed: int = 0, logprob_noise: float = 0.0):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        from astralight.hf_models import MODEL_LOCK, tie_if_configured
+
+        with MODEL_LOCK:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            tie_if_configured(self.model)
         self.model_id = model_id
         self.temperature = temperature
         self.group_size = group_size
