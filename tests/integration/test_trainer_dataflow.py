@@ -26,11 +26,16 @@ from astralight.weights import WeightState
 def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
     from transformers import AutoModelForCausalLM
 
+    from astralight.hf_models import MODEL_LOCK
     from astralight.tinymodel import build_tokenizer
 
     try:
         tok = build_tokenizer()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # this thread loads while the test's Trainer.fit loads the policy: both under the lock
+        # (overlapping from_pretrained calls can switch transformers' weight tying off for the
+        # whole process, see astralight.hf_models)
+        with MODEL_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         rng = np.random.default_rng(0)
         client = DataflowClient(url)
         instance = client.register(["policy"], capacity=8)["instance_id"]
