@@ -601,9 +601,20 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
         elif name == "trainer_kill":
             # kill one step past a checkpoint, so the restart rolls back and must skip the
             # version the dataflow already holds
+            # (and two versions before the target at most: a trainer step takes a fraction of a
+            # second here, so a kill at the last version could land after the run's end, leaving
+            # nothing to recover; measured once: killed at version 8 of 8). SIGSTOP the whole
+            # group the moment the condition holds, so the version read next is the one killed.
             last = run.ckpt_dir / "last.ckpt"
-            run.wait(lambda: last.exists() and run.version() % s.ckpt_every == 1 % s.ckpt_every,
-                     s.timeout_s, "a last.ckpt and a version just past a checkpoint", poll_s=0.05)
+
+            def just_past_a_checkpoint() -> bool:
+                v = run.version()
+                return (last.exists() and v % s.ckpt_every == 1 % s.ckpt_every
+                        and s.fault_at <= v <= s.versions - 2)
+
+            run.wait(just_past_a_checkpoint, s.timeout_s,
+                     "a last.ckpt and a version just past a checkpoint", poll_s=0.05)
+            os.killpg(run.trainer.proc.pid, signal.SIGSTOP)
             detail["killed_at_version"] = run.version()
             run.retire(run.trainer)
             t_clear = time.time()
