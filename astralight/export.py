@@ -298,15 +298,11 @@ def _resolve_base(model_path: str | None, hparams: Mapping) -> Path:
 
 def _meta_model(base: Path):
     """The base config's causal LM on the meta device: names, shapes and tying, no weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from astralight.hf_models import MODEL_LOCK, tie_if_configured
+    from astralight.hf_models import causal_lm_on_meta
 
-    config = AutoConfig.from_pretrained(base)
-    with MODEL_LOCK, torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-        tie_if_configured(model)
-        return model
+    return causal_lm_on_meta(AutoConfig.from_pretrained(base))
 
 
 def _lora_spec(hparams: Mapping, model_keys: list[str], ckpt: Path) -> LoraSpec | None:

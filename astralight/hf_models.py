@@ -67,4 +67,28 @@ def tie_if_configured(model: Any) -> bool:
     return True
 
 
-__all__ = ["MODEL_LOCK", "ties_embeddings", "tie_if_configured"]
+def causal_lm_from_pretrained(path: str, **kwargs: Any):
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` under :data:`MODEL_LOCK`, tied
+    as its config says (:func:`tie_if_configured`)."""
+    from transformers import AutoModelForCausalLM
+
+    with MODEL_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tie_if_configured(model)
+    return model
+
+
+def causal_lm_on_meta(config: Any, **kwargs: Any):
+    """``AutoModelForCausalLM.from_config(config, **kwargs)`` on the meta device (names, shapes
+    and ties, no memory), under :data:`MODEL_LOCK` and tied as the config says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with MODEL_LOCK, torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        tie_if_configured(model)
+    return model
+
+
+__all__ = ["MODEL_LOCK", "ties_embeddings", "tie_if_configured", "causal_lm_from_pretrained",
+           "causal_lm_on_meta"]

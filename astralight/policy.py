@@ -68,7 +68,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from astralight.hf_models import MODEL_LOCK, tie_if_configured
+from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta
 from astralight.lora import LoraSpec, wrap_model
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
 from astralight.rl.kl import kl_penalty
@@ -108,13 +108,8 @@ def _causal_lm_config(model_path: str, disable_dropout: bool):
 
 def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
     """Load a Hugging Face causal LM folder with float32 master weights (dropout off by default)."""
-    from transformers import AutoModelForCausalLM
-
     config = _causal_lm_config(model_path, disable_dropout)
-    with MODEL_LOCK:  # see astralight.hf_models: loads must not overlap
-        model = AutoModelForCausalLM.from_pretrained(model_path, config=config,
-                                                     dtype=torch.float32)
-        tie_if_configured(model)
+    model = causal_lm_from_pretrained(model_path, config=config, dtype=torch.float32)
     if disable_dropout:
         _disable_dropout(model)
     return model
@@ -124,12 +119,8 @@ def empty_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.M
     """The same model as :func:`load_causal_lm` built on the meta device: shapes, names and tied
     weights without memory or weights (no file read). FSDP2 ranks other than zero start from it
     and receive their shards from rank zero (:func:`astralight.fsdp2.shard_from_rank0`)."""
-    from transformers import AutoModelForCausalLM
-
-    config = _causal_lm_config(model_path, disable_dropout)
-    with MODEL_LOCK, torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tie_if_configured(model)
+    model = causal_lm_on_meta(_causal_lm_config(model_path, disable_dropout),
+                              dtype=torch.float32)
     if disable_dropout:
         _disable_dropout(model)
     return model

@@ -30,7 +30,7 @@ class HFEngine:
         import time
 
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if batch_size < 1:
             raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
@@ -40,12 +40,10 @@ class HFEngine:
         t = time.perf_counter()
         self.device, self.dtype, self.batch_size = torch.device(device), getattr(torch, dtype), batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        from astralight.hf_models import MODEL_LOCK, tie_if_configured
+        from astralight.hf_models import causal_lm_from_pretrained  # loads must not overlap
 
-        with MODEL_LOCK:  # see astralight.hf_models: loads must not overlap
-            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype)
-            tie_if_configured(model)
-        self.model = model.to(self.device).eval()
+        self.model = causal_lm_from_pretrained(str(model_path), dtype=self.dtype).to(
+            self.device).eval()
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = version

@@ -24,9 +24,7 @@ from astralight.weights import WeightState
 
 
 def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from astralight.hf_models import MODEL_LOCK
+    from astralight.hf_models import causal_lm_from_pretrained
     from astralight.tinymodel import build_tokenizer
 
     try:
@@ -34,8 +32,7 @@ def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
         # this thread loads while the test's Trainer.fit loads the policy: both under the lock
         # (overlapping from_pretrained calls can switch transformers' weight tying off for the
         # whole process, see astralight.hf_models)
-        with MODEL_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
         rng = np.random.default_rng(0)
         client = DataflowClient(url)
         instance = client.register(["policy"], capacity=8)["instance_id"]

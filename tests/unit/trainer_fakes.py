@@ -20,13 +20,9 @@ from astralight.rl.logprobs import causal_lm_logprobs
 class FakeDataflowClient:
     def __init__(self, model_dir, model_id: str = "policy", temperature: float = 1.0,
                  group_size: int = 2, seed: int = 0, logprob_noise: float = 0.0):
-        from transformers import AutoModelForCausalLM
+        from astralight.hf_models import causal_lm_from_pretrained
 
-        from astralight.hf_models import MODEL_LOCK, tie_if_configured
-
-        with MODEL_LOCK:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            tie_if_configured(self.model)
+        self.model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
         self.model_id = model_id
         self.temperature = temperature
         self.group_size = group_size
