@@ -17,32 +17,36 @@ YAML keys (defaults in brackets)::
       init_args:
         reward: {class_path: astralight.rewards.toy.ExactMatchReward}
         sampling: {temperature: 1.0, max_tokens: 8}
-    max_concurrency: 64           # tasks leased per cycle (and the capacity registered)
+    max_concurrency: 64           # episodes (leased tasks) in flight at once; the capacity
+                                  # registered. Each is its own asyncio task; a freed slot is
+                                  # leased again at once
     poll_interval_s: 0.5          # sleep when a lease comes back empty
     seed: 0                       # engines without their own seed get seed + index
     weight_check_interval_s: 2.0, background_weight_sync: true,
     progress_interval_s: 10.0, heartbeat_interval_s: null (= lease_seconds / 3),
     instance_id: null, token: null (or env ASTRALIGHT_TOKEN), max_cycles: null,
     dataflow_give_up_s: 600 (exit 1 when every dataflow call has failed for this long),
-    push_concurrency: 8 (pushes in flight at once; hides a far dataflow's round-trip time),
+    push_concurrency: 8 (push requests in flight at once, each carrying every finished task
+    that is ready; hides a far dataflow's round-trip time),
     weight_download_dir: null (a temporary folder), weight_stream_min_bytes: 67108864
     (weight files at least this large are streamed to disk, not held in memory),
     held_weights_report: null (at shutdown, write JSON checksums of the weights each engine
     holds, read back from the engine, next to its manifest's; for audits and tests),
-    concurrent_cycles: 1 (lease cycles in flight at once, each of max_concurrency / N tasks;
-    engines are then shared through SerializedEngine and every completion carries its version),
     capacity_units: 1.0 (what this instance is worth in GPUs or CPU slots, sent at registration;
     the balance report divides throughput by it and the autoscaler sums it),
-    cycle_delay_s: 0.0 (every lease cycle that generated something sleeps this long before it
+    cycle_delay_s: 0.0 (every episode that generated something sleeps this long before it
     pushes: a deliberately slower instance, to run heterogeneous pools on identical hardware),
     drain_timeout_s: 120 (a drain -- SIGTERM, SIGINT or the dataflow's drain route -- that has not
-    finished its cycles after this long becomes a hard stop: in-flight tasks are returned)
+    finished its episodes after this long becomes a hard stop: in-flight tasks are returned)
+
+Engine options that shape concurrency live in each engine's entry (``VLLMEngine``):
+``inflight_updates: keep | abort`` (what a weight update does to requests in flight).
 
 Stopping: the first SIGTERM / SIGINT (or a drain asked by the dataflow through the heartbeat)
-drains: no more leasing, the cycles in flight finish and push, leased tasks not yet started
-are returned, the instance deregisters and the process exits 0. A second signal (or
-drain_timeout_s) is a hard stop: every in-flight task is returned, the instance deregisters
-and the process exits 130 at once.
+drains: no more leasing, the episodes in flight finish and push, the instance deregisters and
+the process exits 0. A second signal (or drain_timeout_s) is a hard stop: every episode is
+cancelled (its engine requests aborted), every in-flight task is returned, the instance
+deregisters and the process exits 130 at once.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class RaaSConfig:
     weight_download_dir: Optional[str] = None
     weight_stream_min_bytes: int = 64 << 20
     held_weights_report: Optional[str] = None
-    concurrent_cycles: int = 1
+    concurrent_cycles: Optional[int] = None  # removed; validate() says what replaces it
     capacity_units: float = 1.0
     cycle_delay_s: float = 0.0
     drain_timeout_s: float = 120.0
@@ -125,13 +129,13 @@ def build_parser():
                    help="weight files at least this large are streamed to disk")
     p.add_argument("--held_weights_report", type=Optional[str], default=None,
                    help="at shutdown, write JSON checksums of the weights each engine holds")
-    p.add_argument("--concurrent_cycles", type=int, default=1,
-                   help="lease cycles in flight at once, each of max_concurrency/N tasks: while "
-                        "one waits on slow tool calls or long-tail rollouts, another generates")
+    p.add_argument("--concurrent_cycles", type=Optional[int], default=None,
+                   help="removed: every leased task is its own episode (max_concurrency bounds "
+                        "them); setting it is an error that says so")
     p.add_argument("--capacity_units", type=float, default=1.0,
                    help="GPUs or CPU slots this instance stands for (sent at registration)")
     p.add_argument("--cycle_delay_s", type=float, default=0.0,
-                   help="sleep this long in every lease cycle before pushing (a slower instance)")
+                   help="every episode sleeps this long before pushing (a slower instance)")
     p.add_argument("--drain_timeout_s", type=float, default=120.0,
                    help="a drain still running after this long becomes a hard stop")
     return p
@@ -168,9 +172,11 @@ def validate(config: RaaSConfig) -> None:
         raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
     if config.poll_interval_s < 0:
         raise ValueError("poll_interval_s: must be >= 0")
-    if not 1 <= config.concurrent_cycles <= config.max_concurrency:
-        raise ValueError(f"concurrent_cycles: must be in [1, max_concurrency="
-                         f"{config.max_concurrency}], got {config.concurrent_cycles}")
+    if config.concurrent_cycles is not None:
+        raise ValueError("concurrent_cycles: removed -- every leased task now runs as its own "
+                         "episode, up to max_concurrency in flight, and the engine batches them "
+                         "all; delete the key (set max_concurrency to the episodes you want in "
+                         "flight)")
     if config.push_concurrency < 1:
         raise ValueError(f"push_concurrency: must be >= 1, got {config.push_concurrency}")
     if not config.capacity_units > 0:

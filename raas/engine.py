@@ -3,13 +3,34 @@
 Workflows never touch vLLM directly: they see an :class:`Engine` (token ids in, token ids and the
 behaviour log-prob of every generated token out), so the same workflow runs on the real vLLM
 engine in production and on a small transformers engine in unit tests.
+
+The contract is asynchronous and per request: ``await engine.generate(prompt_ids, params)`` is
+one completion, and any number of them may be in flight at once from any number of episodes. The
+engine batches whatever is in flight (vLLM: continuous batching, a request joins the next engine
+step); nothing serializes callers. Weight updates land between two engine steps while requests
+are running, so a completion may span versions: :attr:`Completion.versions` holds the version of
+every generated token.
+
+Three ways in, all over one primitive, :meth:`EngineBase.submit` (thread-safe, returns a
+``concurrent.futures.Future``):
+
+- ``await generate(ids, params)`` and ``await generate_many(prompts, params)`` for async workflows;
+- ``generate_batch(prompts, params)`` (blocking) for scripts, tests and sync workflows running in
+  an executor thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
+import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,9 +45,10 @@ class SamplingSpec:
             prompt + completion fit its context).
         stop_token_ids: extra token ids that end a completion (the model's EOS always does).
             The stop token is part of the completion and is trained on.
-        seed: if set, completion ``i`` of a ``generate`` call uses seed ``seed + i`` (the same
-            prompt repeated ``n`` times still gets ``n`` different samples); if None the engine's
-            own seeded generator is used, which advances from call to call.
+        seed: if set, this request samples with its own generator seeded ``seed``;
+            ``generate_many`` / ``generate_batch`` give request ``i`` the seed ``seed + i`` (the
+            same prompt repeated ``n`` times still gets ``n`` different samples). If None the
+            engine's own seeded generator is used.
     """
 
     temperature: float = 1.0
@@ -42,28 +64,57 @@ class SamplingSpec:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    def for_request(self, i: int) -> "SamplingSpec":
+        """The spec of request ``i`` of a many-request call (its own seed, if seeded)."""
+        if self.seed is None or i == 0:
+            return self
+        return dataclasses.replace(self, seed=self.seed + i)
 
 
 @dataclass
 class Completion:
-    """One generated continuation: its tokens and the behaviour log-prob of each.
+    """One generated continuation: its tokens, the behaviour log-prob and version of each.
 
     ``token_ids`` includes the EOS / stop token when generation ended on one.
-    ``finish_reason`` is ``"stop"`` (EOS or a stop token) or ``"length"`` (hit max_tokens).
-    ``version`` is the policy version that generated it, when the engine knows (a
-    :class:`SerializedEngine` stamps it); workflows fall back to ``engine.version``.
+    ``finish_reason`` is ``"stop"`` (EOS or a stop token), ``"length"`` (hit max_tokens) or
+    ``"abort"`` (cancelled). ``versions[i]`` is the policy version whose weights sampled token
+    ``i``: a weight update that lands while the request runs splits it into spans (a partial
+    rollout). ``version`` is the version of the first token (or, with no tokens, the engine's
+    version when the request started); engines may give only ``version`` and ``versions`` is
+    then filled with it.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     version: int | None = None
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"logprobs: {len(self.logprobs)} values for {len(self.token_ids)} tokens"
             )
+        if self.versions is None:
+            if self.version is not None:
+                self.versions = [int(self.version)] * len(self.token_ids)
+        elif len(self.versions) != len(self.token_ids):
+            raise ValueError(f"versions: {len(self.versions)} values for "
+                             f"{len(self.token_ids)} tokens")
+        elif self.version is None and self.versions:
+            self.version = int(self.versions[0])
+
+    def token_versions(self, default: int) -> list[int]:
+        """Per-token versions, ``default`` for an engine that stamped none."""
+        return list(self.versions) if self.versions is not None else [int(default)] * len(
+            self.token_ids)
+
+    @property
+    def spans_versions(self) -> bool:
+        """True when a weight update landed while this completion was generated."""
+        return bool(self.versions) and min(self.versions) != max(self.versions)
 
 
 @runtime_checkable
@@ -73,12 +124,21 @@ class Engine(Protocol):
     version: int
     tokenizer: Any
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
-        """One completion per prompt, in order; batch everything into one call."""
+    async def generate(self, prompt_token_ids: list[int], params: SamplingSpec) -> Completion:
+        """One completion of one prompt; many may be awaited at once."""
+        ...
+
+    async def generate_many(self, prompts: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        """One completion per prompt, in order, all in flight at once."""
+        ...
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        """Blocking :meth:`generate_many`, for threads other than an event loop's."""
         ...
 
     def update_weights(self, named_tensors: dict[str, Any], version: int) -> None:
-        """Replace the weights (checkpoint names, full tensors) and set ``version``.
+        """Replace the weights (checkpoint names, full tensors) and set ``version``; blocking,
+        thread-safe, applied between two engine steps while requests keep running.
 
         Optional partial updates: an engine that also has
         ``weight_update_names(changed, all_names) -> list[str]`` (the names that must travel with
@@ -99,62 +159,147 @@ class Engine(Protocol):
         ...
 
 
-_PROCESS_ENGINE_LOCK = threading.RLock()
+class EngineBase:
+    """The async / many / blocking entry points over one primitive, :meth:`submit`.
 
-
-class SerializedEngine:
-    """An engine shared by concurrent lease cycles: one ``generate`` or weight update at a time.
-
-    vLLM's offline engine is not re-entrant, and a weight update must not land in the middle of
-    a generation. With several lease cycles in flight (``RaaSConfig.concurrent_cycles``), one
-    cycle may wait on a slow tool call while another generates; each completion is stamped with
-    the version that produced it, because the weights may change between two calls of the same
-    cycle. Every other attribute is the wrapped engine's.
-
-    By default all engines of the process share one lock: vLLM's in-process engines keep global
-    state (the forward context), so two of them must not run a forward pass at the same time
-    either (measured: a solver and a verifier engine generating from two threads crash vLLM).
+    Subclasses implement ``submit(prompt_token_ids, params) -> Future[Completion]`` (thread-safe;
+    the future may complete on any thread) and may implement ``cancel(future)`` to stop a
+    request whose caller went away (a cancelled episode).
     """
 
-    def __init__(self, engine: Any, lock: Any = None):
-        self.inner = engine
-        self.lock = lock if lock is not None else _PROCESS_ENGINE_LOCK
+    version: int = 0
 
-    @property
-    def version(self) -> int:
-        return self.inner.version
+    def submit(self, prompt_token_ids: list[int], params: SamplingSpec) -> Future:
+        raise NotImplementedError(f"{type(self).__name__} must implement submit(prompt, params)")
 
-    @version.setter
-    def version(self, value: int) -> None:  # the weight sync moves a version with no change
-        with self.lock:
-            self.inner.version = value
+    def cancel(self, future: Future) -> None:  # noqa: B027 - optional hook
+        """Stop the request behind ``future`` (default: let it finish unobserved)."""
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
-        with self.lock:
-            version = int(self.inner.version)
-            out = self.inner.generate(prompt_token_ids, params)
-        for c in out:
-            c.version = version
-        return out
+    async def generate(self, prompt_token_ids: list[int], params: SamplingSpec) -> Completion:
+        future = self.submit(list(prompt_token_ids), params)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.cancel(future)
+            raise
 
-    def update_weights(self, named_tensors: dict[str, Any], version: int, **kw: Any) -> None:
-        with self.lock:
-            self.inner.update_weights(named_tensors, version, **kw)
+    async def generate_many(self, prompts: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        futures = [self.submit(list(p), params.for_request(i)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except asyncio.CancelledError:
+            for f in futures:
+                if not f.done():
+                    self.cancel(f)
+            raise
 
-    @property
-    def update_adapter(self):
-        """The wrapped engine's ``update_adapter`` under the lock; absent (AttributeError, so
-        ``hasattr`` tells) when the wrapped engine has none."""
-        load = self.inner.update_adapter
+    def generate_batch(self, prompts: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        futures = [self.submit(list(p), params.for_request(i)) for i, p in enumerate(prompts)]
+        return [f.result() for f in futures]
 
-        def locked(named_tensors: dict[str, Any], version: int, adapter: Any) -> None:
-            with self.lock:  # never in the middle of a generation, like update_weights
-                load(named_tensors, version, adapter)
 
-        return locked
+@dataclass
+class _Job:
+    prompt: list[int]
+    params: SamplingSpec
+    future: Future = field(default_factory=Future)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+
+class BatchedEngine(EngineBase):
+    """An engine whose model computes a batch at a time (transformers, test fakes).
+
+    One worker thread takes what has been submitted, groups consecutive requests with equal,
+    unseeded sampling (up to ``max_batch``) into one ``_generate(prompts, params)`` call (a
+    seeded request is a call of its own, so ``_generate`` seeds its prompt ``i`` with
+    ``seed + i`` as the synchronous contract did), and runs control calls
+    (:meth:`call`: weight updates) between batches, never in the middle of one. Subclasses
+    implement ``_generate`` (the old synchronous batch contract) and stamp nothing: every
+    completion gets the version the engine had when its batch started.
+    """
+
+    max_batch: int = 64
+
+    def _generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Completion]:
+        raise NotImplementedError(f"{type(self).__name__} must implement _generate")
+
+    def _worker_queue(self) -> "queue.SimpleQueue":
+        q = self.__dict__.get("_jobs")
+        if q is None:
+            with _WORKER_START:
+                q = self.__dict__.get("_jobs")
+                if q is None:
+                    q = self.__dict__["_jobs"] = queue.SimpleQueue()
+                    threading.Thread(target=self._work, args=(q,), daemon=True,
+                                     name=f"{type(self).__name__}-worker").start()
+        return q
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingSpec) -> Future:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids: empty prompt")
+        job = _Job(list(prompt_token_ids), params)
+        self._worker_queue().put(job)
+        return job.future
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread between batches; blocking; returns its result."""
+        future: Future = Future()
+        self._worker_queue().put((fn, future))
+        return future.result()
+
+    def _work(self, q: "queue.SimpleQueue") -> None:
+        pending: list = []
+        while True:
+            item = pending.pop(0) if pending else q.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                fn, future = item
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+                continue
+            batch = [item]
+            while True:  # what else is waiting now, in order: same sampling joins the batch
+                try:
+                    pending.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            rest = []
+            for other in pending:  # a seeded request runs alone: its seed is its own
+                if (isinstance(other, _Job) and other.params == item.params
+                        and item.params.seed is None and len(batch) < self.max_batch
+                        and not rest):
+                    batch.append(other)
+                else:
+                    rest.append(other)
+            pending = rest
+            live = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            version = int(self.version)
+            try:
+                out = self._generate([j.prompt for j in live], item.params)
+                if len(out) != len(live):
+                    raise RuntimeError(f"{type(self).__name__} returned {len(out)} completions "
+                                       f"for {len(live)} prompts")
+            except BaseException as exc:  # noqa: BLE001 - every caller gets the error
+                for j in live:
+                    j.future.set_exception(exc)
+                continue
+            for j, c in zip(live, out):
+                if c.version is None and c.versions is None:
+                    c.version = version
+                    c.versions = [version] * len(c.token_ids)
+                j.future.set_result(c)
+
+    def close(self) -> None:
+        q = self.__dict__.pop("_jobs", None)
+        if q is not None:
+            q.put(None)
+
+
+_WORKER_START = threading.Lock()
 
 
 def clamp_max_tokens(prompt_len: int, max_tokens: int, max_model_len: int | None) -> int:

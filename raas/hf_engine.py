@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from astralight.raas.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.raas.engine import BatchedEngine, Completion, SamplingSpec, clamp_max_tokens
 
 
-class HFEngine:
-    """Args: model_path (a model folder), seed (the sampler's generator), version of its weights,
+class HFEngine(BatchedEngine):
+    """Requests submitted at once with equal sampling are generated together (up to
+    ``batch_size`` per forward pass); weight updates run between two such batches.
+
+    Args: model_path (a model folder), seed (the sampler's generator), version of its weights,
     max_model_len, device (``"cpu"``, ``"cuda"``), dtype (``"float32"``, ``"bfloat16"``),
     batch_size (requests per forward pass; 1 = the exact per-request path)."""
 
@@ -39,6 +42,7 @@ class HFEngine:
                              "set batch_size > 1 for another device or dtype")
         t = time.perf_counter()
         self.device, self.dtype, self.batch_size = torch.device(device), getattr(torch, dtype), batch_size
+        self.max_batch = max(batch_size, 64)  # requests per _generate call (split into batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         from astralight.hf_models import causal_lm_from_pretrained  # loads must not overlap
 
@@ -51,7 +55,7 @@ class HFEngine:
         self.eos_token_ids = {eos} if eos is not None else set()
         self.start_s = time.perf_counter() - t
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
+    def _generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
         import torch
 
         if params.top_p != 1.0:
@@ -145,7 +149,11 @@ class HFEngine:
         return completions
 
     def update_weights(self, named_tensors: dict[str, Any], version: int, partial: bool = False) -> None:
-        """Load the given tensors (all, or with ``partial=True`` any subset) and set ``version``."""
+        """Load the given tensors (all, or with ``partial=True`` any subset) and set ``version``,
+        between two batches (never in the middle of one)."""
+        self.call(lambda: self._load(named_tensors, version))
+
+    def _load(self, named_tensors: dict[str, Any], version: int) -> None:
         _, unexpected = self.model.load_state_dict(
             {k: v.to(self.dtype) for k, v in named_tensors.items()}, strict=False)
         if unexpected:
@@ -166,4 +174,5 @@ class HFEngine:
         return {n: sd[n].detach().to(torch.bfloat16).clone() for n in names}
 
     def close(self) -> None:
+        super().close()
         self.model = None

@@ -8,6 +8,7 @@ run the service with another engine class, and the test suite can import everyth
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import re
@@ -15,10 +16,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from astralight.raas.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.raas.cpu_features import request_amx
+from astralight.raas import vllm_driver
+from astralight.raas.engine import Completion, EngineBase, SamplingSpec, clamp_max_tokens
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
 
 log = logging.getLogger(__name__)
@@ -94,8 +98,45 @@ def write_peft_folder(path: str | Path, named_tensors: Mapping[str, Any], config
     return path
 
 
-class VLLMEngine:
+INFLIGHT_UPDATES = ("keep", "abort")
+"""What a weight update does to requests in flight: continue under the new weights (partial
+rollouts, per-token versions) or restart from the prompt."""
+
+_ENGINE_IDS = itertools.count()
+
+
+class _Request:
+    """One request in flight (driver thread): what it has produced so far."""
+
+    __slots__ = ("rid", "prompt", "params", "future", "tokens", "logprobs", "versions",
+                 "start_version")
+
+    def __init__(self, rid: str, prompt: list[int], params: Any):
+        self.rid, self.prompt, self.params = rid, prompt, params
+        self.future: Future = Future()
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.start_version = 0
+
+    def reset(self, rid: str) -> None:
+        self.rid = rid
+        self.tokens, self.logprobs, self.versions = [], [], []
+
+    def finish(self, reason: str) -> None:
+        if not self.future.done():
+            self.future.set_result(Completion(self.tokens, self.logprobs, reason,
+                                              version=self.start_version,
+                                              versions=self.versions))
+
+
+class VLLMEngine(EngineBase):
     """One policy served by vLLM; implements :class:`astralight.raas.engine.Engine`.
+
+    Continuous batching: :meth:`submit` (and so ``await generate``) queues one request on the
+    process's :class:`~astralight.raas.vllm_driver.StepDriver`, which adds it to the running
+    batch before its next step; each request finishes on its own. Weight updates, LoRA loads and
+    read-backs run on the same thread between two steps.
 
     Args:
         model_path: a Hugging Face model folder (the same initial folder the trainer starts from;
@@ -117,6 +158,12 @@ class VLLMEngine:
             the old one, which is then removed).
         adapter_dir: where adapter versions are written as PEFT folders for vLLM to load
             (default: a temporary folder removed by :meth:`close`).
+        inflight_updates: ``"keep"`` (default): requests in flight when a weight version lands
+            continue under it, their KV cache recomputed by the new weights, each token stamped
+            with the version that sampled it (partial rollouts, as prime-rl and SkyRL do);
+            ``"abort"``: they restart from their prompts under the new weights (a completion
+            never spans versions; the tokens already generated are lost). LoRA adapter versions
+            always restart them (a running request cannot change adapter).
         engine_kwargs: anything else for ``vllm.LLM`` (tensor_parallel_size, tokenizer, ...).
 
     Behaviour log-probs are vLLM's ``processed_logprobs``: log-probs of the distribution actually
@@ -128,9 +175,15 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None,
                  warmup: bool = True, version: int = 0, enable_lora: bool = False,
                  max_lora_rank: int = 16, max_loras: int = 1, adapter_dir: str | None = None,
-                 engine_kwargs: dict | None = None):
+                 inflight_updates: str = "keep", engine_kwargs: dict | None = None):
         import torch
         from vllm import LLM  # lazy: see module docstring
+
+        if inflight_updates not in INFLIGHT_UPDATES:
+            raise ValueError(f"inflight_updates: expected one of {list(INFLIGHT_UPDATES)}, got "
+                             f"{inflight_updates!r}")
+
+        request_amx()  # before any vLLM kernel runs in this process (see cpu_features)
 
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
@@ -146,14 +199,36 @@ class VLLMEngine:
         if enable_lora:
             kwargs.update(enable_lora=True, max_lora_rank=int(max_lora_rank),
                           max_loras=int(max_loras))
+        if not torch.cuda.is_available() and "enable_chunked_prefill" not in (engine_kwargs or {}):
+            # vLLM 0.32 on CPU: a seeded request whose prompt is split across steps (chunked
+            # prefill; e.g. 256 prompts beyond the 4,096-token step budget) fails with
+            # "RuntimeError: CPU Generator does not use offset" (the runner rewinds the
+            # request's generator, which CPU generators cannot). Whole prefills avoid it.
+            kwargs["enable_chunked_prefill"] = False
         clash = set(kwargs) & set(engine_kwargs or {})
         if clash:
             raise ValueError(f"engine_kwargs: {sorted(clash)} are set by VLLMEngine's own arguments")
         kwargs.update(engine_kwargs or {})
 
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        self.llm = None
+        self._driver = vllm_driver.shared()
+        # built on the driver thread: its profiling forward pass must not overlap another
+        # engine's step (every vLLM call of this engine runs there from now on)
+        self.llm = self._driver.call(lambda: LLM(**kwargs))
         self.start_s = time.perf_counter() - start
+        self.inflight_updates = inflight_updates
+        self._id = f"e{next(_ENGINE_IDS)}"
+        self._request_ids = itertools.count()
+        self._live: dict[str, _Request] = {}  # driver thread only
+        self.requests_started = 0
+        self.tokens_generated = 0  # tokens of finished requests
+        self.tokens_stepped = 0  # every token any step produced (in flight or finished)
+        self.requests_spanning_update = 0  # in flight across a weight update ("keep")
+        self.requests_restarted = 0  # restarted from their prompt by an update ("abort", LoRA)
+        self.weight_updates = 0
+        self.weight_pause_s_total = 0.0
+        self.weight_pause_s_last = 0.0
         self.model_path = str(model_path)
         self.dtype = dtype
         self.version = version
@@ -169,9 +244,10 @@ class VLLMEngine:
         self._lora_seq = 0  # vLLM caches adapters by int id: a new id for every loaded version
         self.adapter_loads = 0
         self.warmup_s = 0.0
+        self._driver.attach(self)
         if warmup:
             start = time.perf_counter()
-            self.generate([[self._warmup_token()] * 4], SamplingSpec(max_tokens=2))
+            self.generate_batch([[self._warmup_token()] * 4], SamplingSpec(max_tokens=2))
             self.warmup_s = time.perf_counter() - start
         log.info("vLLM engine for %s up in %.2f s (warm-up %.2f s)", model_path, self.start_s,
                  self.warmup_s)
@@ -185,59 +261,160 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
-        """One completion per prompt, all in one vLLM call (vLLM batches them)."""
-        from vllm import SamplingParams
-
+    def submit(self, prompt_token_ids: list[int], params: SamplingSpec) -> Future:
+        """Queue one request; it joins the next engine step (continuous batching)."""
         if not prompt_token_ids:
-            return []
-        per_request = []
-        for i, ids in enumerate(prompt_token_ids):
-            if not ids:
-                raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
-            per_request.append(SamplingParams(
-                temperature=params.temperature, top_p=params.top_p,
-                max_tokens=clamp_max_tokens(len(ids), params.max_tokens, self.max_model_len),
-                stop_token_ids=list(params.stop_token_ids),
-                seed=None if params.seed is None else params.seed + i,
-                logprobs=0,  # only the sampled token's log-prob
-                detokenize=False,  # the workflow decodes what it needs
-            ))
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_token_ids],
-                                    per_request, use_tqdm=False, lora_request=self._lora)
-        completions = []
-        for out in outputs:
+            raise ValueError("prompt_token_ids: empty prompt")
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine: closed")
+        request = _Request(f"{self._id}-{next(self._request_ids)}", list(prompt_token_ids),
+                           self._sampling_params(prompt_token_ids, params))
+        self._driver.post(lambda: self._add(request))
+        return request.future
+
+    def cancel(self, future: Future) -> None:
+        """Abort the request behind ``future`` (its episode was cancelled)."""
+        def abort():
+            for rid, request in list(self._live.items()):
+                if request.future is future:
+                    self.llm.llm_engine.abort_request([rid])
+                    del self._live[rid]
+                    request.finish("abort")
+        if self.llm is not None:
+            self._driver.post(abort)
+
+    def _sampling_params(self, ids: list[int], params: SamplingSpec):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            temperature=params.temperature, top_p=params.top_p,
+            max_tokens=clamp_max_tokens(len(ids), params.max_tokens, self.max_model_len),
+            stop_token_ids=list(params.stop_token_ids), seed=params.seed,
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=False,  # the workflow decodes what it needs
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens, stamped with a version
+        )
+
+    # --- on the driver thread
+
+    def _add(self, request: "_Request") -> None:
+        if not request.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
+                                            request.params, lora_request=self._lora)
+        except BaseException as exc:  # noqa: BLE001 - e.g. a prompt vLLM refuses
+            request.future.set_exception(exc)
+            return
+        request.start_version = int(self.version)
+        self._live[request.rid] = request
+        self.requests_started += 1
+
+    def busy(self) -> bool:
+        return bool(self._live)
+
+    def step_once(self) -> None:
+        version = int(self.version)
+        for out in self.llm.llm_engine.step():
+            request = self._live.get(out.request_id)
+            if request is None:  # aborted meanwhile
+                continue
             o = out.outputs[0]
             tokens = list(o.token_ids)
-            if o.logprobs is None or len(o.logprobs) != len(tokens):
-                raise RuntimeError("vLLM returned no per-token logprobs; is logprobs=0 honoured?")
-            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, o.logprobs)]
-            completions.append(Completion(tokens, logprobs, str(o.finish_reason)))
-        return completions
+            if tokens:
+                if o.logprobs is None or len(o.logprobs) != len(tokens):
+                    request.future.set_exception(RuntimeError(
+                        "vLLM returned no per-token logprobs; is logprobs=0 honoured?"))
+                    self._abort([out.request_id])
+                    continue
+                request.tokens.extend(tokens)
+                request.logprobs.extend(float(step[t].logprob) for t, step in zip(tokens, o.logprobs))
+                request.versions.extend([version] * len(tokens))
+                self.tokens_stepped += len(tokens)
+            if out.finished:
+                del self._live[out.request_id]
+                self.tokens_generated += len(request.tokens)
+                request.finish(str(o.finish_reason))
+
+    def fail_all(self, exc: BaseException) -> None:
+        live, self._live = self._live, {}
+        for request in live.values():
+            if not request.future.done():
+                request.future.set_exception(exc)
+        try:
+            self.llm.llm_engine.abort_request(list(live))
+        except Exception:  # noqa: BLE001 - the engine is already failing
+            pass
+
+    def _abort(self, rids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(rids)
+        for rid in rids:
+            self._live.pop(rid, None)
 
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors: dict[str, Any], version: int, partial: bool = False) -> None:
-        """Load checkpoint-named tensors in place and set ``version``.
+        """Load checkpoint-named tensors in place and set ``version``, between two engine steps.
 
         ``named_tensors`` is the full state, or with ``partial=True`` whole engine modules only
         (:meth:`weight_update_names` computes them; unsent modules keep their weights). All
         tensors go in ONE collective_rpc call as safetensors bytes (fused q/k/v and gate/up
         parameters need all their shards together); floating tensors are cast to the engine's
-        dtype first (half the bytes for fp32 masters; vLLM would cast them anyway). The prefix
-        cache is reset because cached KV blocks were computed by the old weights.
+        dtype first (half the bytes for fp32 masters; vLLM would cast them anyway); the bytes are
+        made on the calling thread, so generation pauses only for the load itself.
+
+        Requests in flight (see ``inflight_updates``): ``"keep"`` -- they continue under the new
+        weights; vLLM preempts them and recomputes their KV cache with the new weights (the
+        prefix cache is reset with ``reset_running_requests``), so every later token and its
+        behaviour log-prob are exactly the new version's and each token carries the version that
+        sampled it. ``"abort"`` -- they are restarted from their prompts, so a completion never
+        spans two versions (costs the tokens already generated).
         """
         if not named_tensors:
             raise ValueError("named_tensors: nothing to load")
         blob = safetensors_blob(named_tensors, self.dtype)
-        counts = self.llm.collective_rpc("load_safetensors", args=(blob, bool(partial)))
-        if any(c != len(named_tensors) for c in counts):
-            raise RuntimeError(f"update_weights: workers loaded {counts} of {len(named_tensors)} tensors")
-        if self._lora is not None:  # a full-weight version is the whole policy: no adapter on top
-            log.info("full-weight version %s replaces adapter %s", version, self._lora.lora_name)
-            self._drop_adapter()
-        self.llm.reset_prefix_cache()
+        count = len(named_tensors)
+
+        def load():
+            start = time.perf_counter()
+            counts = self.llm.collective_rpc("load_safetensors", args=(blob, bool(partial)))
+            if any(c != count for c in counts):
+                raise RuntimeError(f"update_weights: workers loaded {counts} of {count} tensors")
+            if self._lora is not None:  # a full-weight version is the whole policy: no adapter
+                log.info("full-weight version %s replaces adapter %s", version, self._lora.lora_name)
+                self._drop_adapter()
+            self._after_weights_changed(int(version))
+            self._note_pause(time.perf_counter() - start)
+
+        self._driver.call(load)
+
+    def _after_weights_changed(self, version: int) -> None:
+        """On the driver thread: the cache and the requests in flight follow the new weights."""
+        running = len(self._live)
+        if running and self.inflight_updates == "abort":
+            self._restart_live()
+            self.llm.llm_engine.reset_prefix_cache()
+        elif not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(running)):
+            log.warning("prefix cache reset refused with %d request(s) running", running)
+        self.requests_spanning_update += running if self.inflight_updates == "keep" else 0
         self.version = int(version)
+
+    def _restart_live(self) -> None:
+        live = list(self._live.values())
+        self.llm.llm_engine.abort_request([r.rid for r in live])
+        self._live = {}
+        for request in live:
+            request.reset(f"{request.rid}r")
+            self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
+                                            request.params, lora_request=self._lora)
+            self._live[request.rid] = request
+        self.requests_restarted += len(live)
+
+    def _note_pause(self, seconds: float) -> None:
+        self.weight_pause_s_total += seconds
+        self.weight_pause_s_last = seconds
+        self.weight_updates += 1
 
     # ------------------------------------------------------------------ LoRA adapters
 
@@ -281,25 +458,40 @@ class VLLMEngine:
         name = f"adapter-v{int(version)}-{seq}"
         path = write_peft_folder(self._adapters_root() / name, named_tensors, config)
         request = LoRARequest(lora_name=name, lora_int_id=seq, lora_path=str(path))
-        try:
-            if not self.llm.llm_engine.add_lora(request):
-                raise RuntimeError(f"vLLM did not load adapter {name}")
-        except Exception:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        old, self._lora = self._lora, request
-        if old is not None:
-            self._remove_adapter(old)
-        self.llm.reset_prefix_cache()
-        self.adapter_loads += 1
-        self.version = int(version)
+
+        def load():
+            start = time.perf_counter()
+            try:
+                if not self.llm.llm_engine.add_lora(request):
+                    raise RuntimeError(f"vLLM did not load adapter {name}")
+            except Exception:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            old, self._lora = self._lora, request
+            # a running request cannot change adapter: restart those in flight on the new one
+            # (before the old adapter goes), so no completion mixes two adapter versions
+            if self._live:
+                self._restart_live()
+            if old is not None:
+                self._remove_adapter(old)
+            self.llm.llm_engine.reset_prefix_cache()
+            self.adapter_loads += 1
+            self.version = int(version)
+            self._note_pause(time.perf_counter() - start)
+
+        self._driver.call(load)
 
     def clear_adapter(self, version: int | None = None) -> None:
         """Generate with the plain weights again (optionally setting ``version``)."""
-        self._drop_adapter()
-        self.llm.reset_prefix_cache()
-        if version is not None:
-            self.version = int(version)
+        def clear():
+            self._drop_adapter()
+            if self._live:
+                self._restart_live()
+            self.llm.llm_engine.reset_prefix_cache()
+            if version is not None:
+                self.version = int(version)
+
+        self._driver.call(clear)
 
     def _drop_adapter(self) -> None:
         old, self._lora = self._lora, None
@@ -334,7 +526,7 @@ class VLLMEngine:
         from safetensors.torch import load
 
         names = None if shapes is None else list(shapes)
-        blobs = self.llm.collective_rpc("held_weights", args=(names,))
+        blobs = self._driver.call(lambda: self.llm.collective_rpc("held_weights", args=(names,)))
         held = load(bytes(blobs[0]))
         if shapes is not None:
             held = {n: held[n][tuple(slice(0, int(s)) for s in shapes[n])].contiguous()
@@ -343,7 +535,8 @@ class VLLMEngine:
 
     def _packed_modules(self) -> dict[str, list[str]]:
         try:
-            return self.llm.collective_rpc("packed_modules_mapping")[0] or dict(DEFAULT_PACKED_MODULES)
+            mapping = self._driver.call(lambda: self.llm.collective_rpc("packed_modules_mapping"))
+            return mapping[0] or dict(DEFAULT_PACKED_MODULES)
         except Exception as exc:  # an older worker extension: assume the Llama/Qwen fusions
             log.warning("packed_modules_mapping unavailable (%s); assuming %s", exc,
                         DEFAULT_PACKED_MODULES)
@@ -354,9 +547,15 @@ class VLLMEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+
+        def shutdown():
+            self._driver.detach(self)
+            self.fail_all(RuntimeError("VLLMEngine: closed with the request in flight"))
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+
+        self._driver.call(shutdown)
         if self._lora is not None:
             shutil.rmtree(self._lora.lora_path, ignore_errors=True)
             self._lora = None

@@ -34,6 +34,10 @@ from __future__ import annotations
 
 import logging
 
+from astralight.raas.cpu_features import request_amx
+
+request_amx()  # vLLM imports this module in every worker process, before its first forward pass
+
 #: messages vLLM's layer-wise reload logs for every module a *partial* update leaves alone
 _PARTIAL_RELOAD_NOISE = ("Failed to load weights", "Following weights were not loaded")
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",

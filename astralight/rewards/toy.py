@@ -8,6 +8,8 @@ from astralight.rewards.base import Reward
 class ExactMatchReward(Reward):
     """1.0 if the completion (whitespace stripped) equals ``metadata[answer_key]``, else 0.0."""
 
+    cheap = True  # a string compare: run it on the event loop, not an executor thread
+
     def __init__(self, answer_key: str = "answer"):
         self.answer_key = answer_key
 

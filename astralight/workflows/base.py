@@ -9,6 +9,9 @@ so a new one needs no change to the service.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -18,17 +21,83 @@ log = logging.getLogger(__name__)
 
 
 class Workflow:
-    """Base class. ``name`` is matched against ``Task.workflow`` by the service."""
+    """Base class. ``name`` is matched against ``Task.workflow`` by the service.
+
+    A workflow is an episode runner for ONE task: ``async def run(task, engines)`` returns that
+    task's samples. The RaaS runs every leased task as its own asyncio task, so episodes advance
+    independently (a long one never holds a short one) and the engine batches whatever all
+    episodes have in flight. Inside ``run``:
+
+    - generate with ``await engine.generate(ids, spec)`` / ``await engine.generate_many(...)``;
+    - run anything that blocks (an environment step, a tool call, a reward that runs code) with
+      ``await blocking(fn, *args)``: it goes to an executor thread and never blocks the loop.
+
+    A workflow written for the older synchronous contract -- ``run(tasks, engines) ->
+    {task_id: samples}``, engines with a blocking ``generate(prompts, spec) -> [Completion]`` --
+    still works: :func:`as_episode_runner` adapts it (each task runs on an executor thread with
+    blocking engine views).
+    """
 
     name: str = ""
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        """Run every task of one lease cycle (batched) and return ``{task_id: samples}``.
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        """Run one task and return its samples (may be empty: nothing to train on).
 
         ``engines`` maps a key (the model_id for single-policy workflows) to an
-        :class:`astralight.raas.engine.Engine`. Every task id must appear in the result.
+        :class:`astralight.raas.engine.Engine`.
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement run(tasks, engines)")
+        raise NotImplementedError(f"{type(self).__name__} must implement async run(task, engines)")
+
+
+async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on the running loop's executor (environment steps, tools,
+    rewards): the event loop keeps stepping every other episode meanwhile."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
+class BlockingEngineView:
+    """An engine as the synchronous workflow contract saw it: ``generate(prompts, spec) ->
+    [Completion]`` blocks (on an executor thread) while the requests are in flight; every other
+    attribute is the engine's."""
+
+    def __init__(self, engine: Any):
+        self.inner = engine
+
+    def generate(self, prompt_token_ids: list[list[int]], params: Any) -> list:
+        return self.inner.generate_batch(prompt_token_ids, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class SyncWorkflowAdapter(Workflow):
+    """Runs a synchronous workflow (``run(tasks, engines) -> dict``) one task at a time on an
+    executor thread, with :class:`BlockingEngineView` engines."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.name = getattr(inner, "name", "")
+
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        views = {k: BlockingEngineView(e) for k, e in engines.items()}
+        out = await blocking(self.inner.run, [task], views)
+        return list((out or {}).get(task.task_id, []))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def as_episode_runner(workflow: Any) -> Workflow:
+    """``workflow`` itself when its ``run`` is ``async def run(task, engines)``, else wrapped in a
+    :class:`SyncWorkflowAdapter`; TypeError naming the fix for anything without ``run``."""
+    run = getattr(workflow, "run", None)
+    if run is None or not callable(run):
+        raise TypeError(f"workflow: {type(workflow).__name__} has no run(); implement "
+                        "async def run(self, task, engines) -> list[Sample]")
+    if inspect.iscoroutinefunction(run):
+        return workflow
+    return SyncWorkflowAdapter(workflow)
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = False) -> list[int]:
@@ -62,28 +131,20 @@ def encode_text_prompt(engine: Any, text: str, chat: bool = False,
     return ids
 
 
-def generate_round(engine: Any, model_id: str, jobs: list[tuple[Task, list[int], Any]],
-                   sampling_for: Callable[[str], Any]) -> list[tuple]:
-    """One step of a multi-step workflow: generate for every job, batched per sampling kind.
+async def generate_round(engine: Any, model_id: str, jobs: list[tuple[Task, list[int], Any]],
+                         sampling_for: Callable[[str], Any]) -> list[tuple]:
+    """One step of a multi-step workflow: generate for every job at once (one request each).
 
     ``jobs`` are ``(task, prompt_ids, key)``; ``sampling_for("train" | "eval")`` gives the
-    sampling. Returns ``(key, prompt_ids, completion, version, sampling)`` per job, where version
-    is the one stamped on the completion (concurrent cycles) or else the engine's.
+    sampling. Returns ``(key, prompt_ids, completion, version, sampling)`` per job, in order,
+    where version is that of the completion's first token.
     """
-    by_kind: dict[str, list[tuple[Task, list[int], Any]]] = {}
-    for job in jobs:
-        by_kind.setdefault("eval" if job[0].kind == "eval" else "train", []).append(job)
-    out = []
-    for kind, batch in by_kind.items():
-        sampling = sampling_for(kind)
-        version = int(engine.version)
-        comps = engine.generate([b[1] for b in batch], sampling)
-        if len(comps) != len(batch):
-            raise RuntimeError(f"engine {model_id!r} returned {len(comps)} completions for "
-                               f"{len(batch)} prompts")
-        out.extend((key, ids, c, version if c.version is None else c.version, sampling)
-                   for (_, ids, key), c in zip(batch, comps))
-    return out
+    specs = [sampling_for("eval" if job[0].kind == "eval" else "train") for job in jobs]
+    version = int(engine.version)
+    comps = await asyncio.gather(*(engine.generate(ids, spec.for_request(i))
+                                   for i, ((_, ids, _), spec) in enumerate(zip(jobs, specs))))
+    return [(key, ids, c, version if c.version is None else c.version, spec)
+            for (_, ids, key), c, spec in zip(jobs, comps, specs)]
 
 
 def check_roles(workflow: str, roles: dict[str, str], tasks: list[Task],

@@ -3,8 +3,8 @@
 Per task (``task.metadata``: ``problem`` text, ``hidden_tests`` ``[{input, output}]``, optional
 ``reference`` program):
 
-1. the **solver** writes ``task.n`` programs, the **test generator** ``task.n`` test suites (one
-   ``generate`` call per engine and sampling kind for the whole lease cycle);
+1. the **solver** writes ``task.n`` programs, the **test generator** ``task.n`` test suites (all
+   ``2 * task.n`` requests in flight at once);
 2. every generated suite is parsed (format below) and judged **valid** or not; the union of the
    valid suites' cases is the **feedback suite**;
 3. every solver program runs against the feedback suite in the sandbox
@@ -13,6 +13,10 @@ Per task (``task.metadata``: ``problem`` text, ``hidden_tests`` ``[{input, outpu
    ``max_failures_shown`` failing cases (input, expected, what the program printed); prompt tokens
    are masked out of the loss as for every sample;
 4. every solver program (first attempts and retries) runs against the hidden tests.
+
+Each leased task is its own episode: the engines batch the requests of every task in flight, and
+every sandboxed program runs on the workflow's sandbox threads (``sandbox_workers`` of them,
+shared by all tasks), never on the event loop.
 
 Rewards (each sample carries its own role, model_id and reward):
 
@@ -51,23 +55,31 @@ solver ``{problem}``; retry ``{problem}``, ``{prompt}`` (the filled solver promp
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import os
 import re
+import threading
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import count
+from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import Completion, SamplingSpec
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
-from astralight.workflows.base import (Workflow, check_roles, encode_text_prompt,
-                                       generate_round)
+from astralight.workflows.base import Workflow, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
+
+#: the next sample index of each model id within one task (``defaultdict(count)``): both roles
+#: share one sequence when they share a model id, so indices stay unique
+_Indices = dict[str, Iterator[int]]
 
 DEFAULT_SOLVER_PROMPT = (
     "Solve the programming problem below with a Python 3 program that reads its input from "
@@ -222,35 +234,45 @@ class _TaskState:
     feedback: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class _Reply:
+    """One request's outcome: its prompt, completion, fallback version and text."""
+
+    ids: list[int]
+    completion: Completion
+    version: int
+    text: str
+    temperature: float
+
+
 class _Executions:
-    """Sandboxed runs of one lease cycle, memoized by (program, stdin) and run in parallel."""
+    """Sandboxed runs of one task, memoized by (program, stdin), each on a thread of ``pool``
+    (the thread waits on the child process; the event loop never does)."""
 
-    def __init__(self, limits: dict, workers: int):
+    def __init__(self, limits: dict, pool: ThreadPoolExecutor):
         self.limits = limits
-        self.workers = max(1, workers)
-        self.results: dict[tuple[str, str], SandboxResult] = {}
+        self.pool = pool
+        self.runs: dict[tuple[str, str], asyncio.Future] = {}
 
-    def run(self, pairs) -> None:
-        todo = list(dict.fromkeys(p for p in pairs if p not in self.results))
-        if not todo:
-            return
-
-        def one(pair):
-            return pair, run_program(pair[0], pair[1], **self.limits)
-
-        if self.workers == 1 or len(todo) == 1:
-            done = map(one, todo)
-        else:
-            pool = ThreadPoolExecutor(max_workers=min(self.workers, len(todo)))
-            with pool:
-                done = list(pool.map(one, todo))
-        self.results.update(done)
+    async def run(self, pairs) -> None:
+        """Run every (program, stdin) pair not run yet, all at once; return when all of
+        ``pairs`` have results (a pair already running is awaited, not run twice)."""
+        loop = asyncio.get_running_loop()
+        wanted = list(dict.fromkeys(pairs))
+        for code, stdin in wanted:
+            if (code, stdin) not in self.runs:
+                self.runs[(code, stdin)] = loop.run_in_executor(
+                    self.pool, functools.partial(run_program, code, stdin, **self.limits))
+        if wanted:
+            await asyncio.gather(*(self.runs[p] for p in wanted))
 
     def passes(self, code: str, case: dict) -> bool:
-        return judge(self.results[(code, case["input"])], case["output"])
+        """Whether ``code`` printed ``case``'s expected output (the run must be done)."""
+        return judge(self.result(code, case), case["output"])
 
     def result(self, code: str, case: dict) -> SandboxResult:
-        return self.results[(code, case["input"])]
+        """The finished run of ``code`` on ``case``'s input."""
+        return self.runs[(code, case["input"])].result()
 
 
 # ------------------------------------------------------------------------------ workflow
@@ -273,7 +295,8 @@ class CodeSolverTestGen(Workflow):
         diagnostic_weight: weight of ``catch_rate`` in the testgen reward (module docstring).
         limits: sandbox limits for every run (:func:`run_program` keywords); defaults
             ``cpu_s=2, wall_s=5, memory_mb=256``.
-        sandbox_workers: programs run in parallel (default: the CPU count).
+        sandbox_workers: sandboxed programs running at once, over all tasks in flight
+            (default: the CPU count).
         chat: wrap each filled template as one user message and apply the chat template.
         add_special_tokens: passed to the tokenizer for plain-text prompts.
     """
@@ -334,26 +357,61 @@ class CodeSolverTestGen(Workflow):
         self.solver_reward = solver_reward
         self.diagnostic_weight = float(diagnostic_weight)
         self.limits = {"cpu_s": 2.0, "wall_s": 5.0, "memory_mb": 256, **(limits or {})}
-        self.sandbox_workers = int(sandbox_workers or os.cpu_count() or 1)
+        self.sandbox_workers = max(1, int(sandbox_workers or os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self.chat = chat
         self.add_special_tokens = add_special_tokens
 
     # ------------------------------------------------------------------------------ helpers
 
     def _sampling(self, role: str, kind: str) -> SamplingSpec:
+        """The sampling of ``role`` for a task of ``kind`` (eval tasks use the eval specs)."""
         if role == "testgen":
             return self.testgen_eval_sampling if kind == "eval" else self.testgen_sampling
         return self.eval_sampling if kind == "eval" else self.sampling
 
     def _encode(self, engine: Any, text: str) -> list[int] | None:
+        """Prompt ids of a filled template, or None when it does not fit the engine."""
         return encode_text_prompt(engine, text, self.chat, self.add_special_tokens)
 
-    def _round(self, engines: dict[str, Any], role: str, jobs: list[tuple[Task, list[int], Any]]
-               ) -> list[tuple[Any, list[int], Completion, int, SamplingSpec]]:
-        """One ``generate`` call per sampling kind for every job of ``role`` in this round."""
+    def _sandbox_pool(self) -> ThreadPoolExecutor:
+        """The ``sandbox_workers`` threads every task's programs run on (made on first use, so
+        building the workflow from a config starts no threads)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.sandbox_workers,
+                                                thread_name_prefix="code-sandbox")
+            return self._pool
+
+    @staticmethod
+    async def _ask(engine: Any, ids: list[int], spec: SamplingSpec, then=None) -> _Reply:
+        """One request: generate and decode (EOS stripped); ``then(reply)``, if given, is
+        awaited as soon as this reply arrives (e.g. its program's sandbox runs)."""
+        version = int(engine.version)
+        comp = await engine.generate(ids, spec)
+        reply = _Reply(ids, comp, version, SingleTurnWorkflow.decode(engine.tokenizer, comp),
+                       spec.temperature)
+        if then is not None:
+            await then(reply)
+        return reply
+
+    async def _round(self, engines: dict[str, Any], role: str, task: Task,
+                     prompts: list[list[int]], then=None) -> list[_Reply]:
+        """Every prompt of one round of ``role`` in flight at once, replies in prompt order;
+        request ``i`` samples with ``spec.for_request(i)`` (its own seed when seeded)."""
+        engine = engines[self.roles[role]]
+        spec = self._sampling(role, task.kind)
+        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i), then)
+                                           for i, ids in enumerate(prompts))))
+
+    def _sample(self, task: Task, role: str, index: _Indices, slot: int,
+                reply: _Reply) -> Sample:
+        """The sample of one reply of ``role`` (reward set once the sandbox has judged it)."""
         model_id = self.roles[role]
-        return generate_round(engines[model_id], model_id, jobs,
-                              lambda kind: self._sampling(role, kind))
+        return completion_sample(task, model_id, next(index[model_id]), slot, reply.ids,
+                                 reply.completion, reply.version, 0.0, reply.temperature,
+                                 role=role, text=reply.text)
 
     def _state(self, task: Task) -> _TaskState:
         md = task.metadata or {}
@@ -393,103 +451,94 @@ class CodeSolverTestGen(Workflow):
 
     # ------------------------------------------------------------------------------ run
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        check_roles(self.name, self.roles, tasks, engines)
-        solver_id, testgen_id = self.roles["solver"], self.roles["testgen"]
-        solver, testgen = engines[solver_id], engines[testgen_id]
-        states = [self._state(t) for t in tasks]
-        counters: dict[tuple[str, str], int] = {}
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        """The task's samples: programs (first attempts, then retries) and test suites, rewards
+        as in the module docstring; solver samples first, each model id by sample index."""
+        check_roles(self.name, self.roles, [task], engines)
+        st = self._state(task)
+        index: _Indices = defaultdict(count)
+        await self._write(st, engines, index)
+        ex = _Executions(self._limits_for(st), self._sandbox_pool())
+        await self._test(st, ex)
+        await self._retries(st, ex, engines, index)
+        return self._collect(st)
 
-        def index(task: Task, model_id: str) -> int:
-            key = (task.task_id, model_id)
-            counters[key] = counters.get(key, 0) + 1
-            return counters[key] - 1
+    async def _write(self, st: _TaskState, engines: dict[str, Any], index: _Indices) -> None:
+        """Round 1: ``n`` programs and ``n`` test suites, all in flight at once; suites parsed."""
+        solver, testgen = engines[self.roles["solver"]], engines[self.roles["testgen"]]
+        n = st.task.n
+        st.solver_prompt = fill(self.templates["solver_prompt"], problem=st.problem)
+        solver_ids = self._encode(solver, st.solver_prompt)
+        testgen_ids = self._encode(testgen, fill(self.templates["testgen_prompt"],
+                                                 problem=st.problem))
+        programs, suites = await asyncio.gather(
+            self._round(engines, "solver", st.task, [solver_ids] * n if solver_ids else []),
+            self._round(engines, "testgen", st.task, [testgen_ids] * n if testgen_ids else []))
+        for g, reply in enumerate(programs):
+            att = _Attempt(st, g, text=reply.text, code=extract_code(reply.text))
+            att.sample = self._sample(st.task, "solver", index, g, reply)
+            st.attempts.append(att)
+        for g, reply in enumerate(suites):
+            suite = _Suite(g, text=reply.text, tests=parse_tests(reply.text, self.max_tests))
+            suite.sample = self._sample(st.task, "testgen", index, g, reply)
+            st.suites.append(suite)
 
-        # round 1: programs and test suites
-        solver_jobs, testgen_jobs = [], []
-        for st in states:
-            st.solver_prompt = fill(self.templates["solver_prompt"], problem=st.problem)
-            ids = self._encode(solver, st.solver_prompt)
-            if ids is not None:
-                for g in range(st.task.n):
-                    st.attempts.append(_Attempt(st, g))
-                    solver_jobs.append((st.task, ids, st.attempts[-1]))
-            ids = self._encode(testgen, fill(self.templates["testgen_prompt"], problem=st.problem))
-            if ids is not None:
-                for g in range(st.task.n):
-                    st.suites.append(_Suite(g))
-                    testgen_jobs.append((st.task, ids, (st, st.suites[-1])))
-        for att, ids, comp, version, sp in self._round(engines, "solver", solver_jobs):
-            att.text = SingleTurnWorkflow.decode(solver.tokenizer, comp)
-            att.code = extract_code(att.text)
-            att.sample = completion_sample(att.task.task, solver_id,
-                                           index(att.task.task, solver_id), att.slot, ids, comp,
-                                           version, 0.0, sp.temperature, role="solver",
-                                           text=att.text)
-        for (st, suite), ids, comp, version, sp in self._round(engines, "testgen", testgen_jobs):
-            suite.text = SingleTurnWorkflow.decode(testgen.tokenizer, comp)
-            suite.tests = parse_tests(suite.text, self.max_tests)
-            suite.sample = completion_sample(st.task, testgen_id, index(st.task, testgen_id),
-                                             suite.slot, ids, comp, version, 0.0, sp.temperature,
-                                             role="testgen", text=suite.text)
+    async def _test(self, st: _TaskState, ex: _Executions) -> None:
+        """Sandbox the reference and every first attempt against every generated case, the
+        attempts against the hidden tests; then judge the suites, build the feedback suite and
+        list each attempt's failing feedback cases."""
+        generated = [c for s in st.suites for c in s.tests]
+        codes = list(dict.fromkeys(a.code for a in st.attempts))
+        pairs = [(st.reference, c["input"]) for c in generated] if st.reference else []
+        pairs += [(code, c["input"]) for code in codes for c in generated + st.hidden]
+        await ex.run(pairs)
+        for att in st.attempts:
+            att.hidden_passed = sum(ex.passes(att.code, c) for c in st.hidden)
+        self._judge_suites(st, ex)
+        seen = set()
+        for s in st.suites:
+            for c in s.tests if s.valid else ():
+                if (c["input"], c["output"]) not in seen:
+                    seen.add((c["input"], c["output"]))
+                    st.feedback.append(c)
+        for att in st.attempts:
+            att.failing = [c for c in st.feedback if not ex.passes(att.code, c)]
 
-        # sandbox: reference and first attempts against every generated case, attempts against
-        # the hidden tests
-        ex = _Executions(self._limits_for(states), self.sandbox_workers)
-        pairs = []
-        for st in states:
-            generated = [c for s in st.suites for c in s.tests]
-            codes = list(dict.fromkeys(a.code for a in st.attempts))
-            if st.reference:
-                pairs += [(st.reference, c["input"]) for c in generated]
-            pairs += [(code, c["input"]) for code in codes for c in generated + st.hidden]
-        ex.run(pairs)
+    async def _retries(self, st: _TaskState, ex: _Executions, engines: dict[str, Any],
+                       index: _Indices) -> None:
+        """Round 2: one retry per program that failed the feedback suite, all in flight at
+        once; each retry's program runs the hidden tests as soon as it arrives."""
+        if not self.retry:
+            return
+        solver = engines[self.roles["solver"]]
+        jobs = []
+        for att in st.attempts:
+            if not att.failing:
+                continue
+            text = fill(self.templates["retry_prompt"], problem=st.problem,
+                        prompt=st.solver_prompt, attempt=att.text,
+                        failures=self._render_failures(att, ex))
+            ids = self._encode(solver, text)
+            if ids is None:
+                att.retry_skipped = True
+            else:
+                jobs.append((att, ids))
 
-        for st in states:
-            for att in st.attempts:
-                att.hidden_passed = sum(ex.passes(att.code, c) for c in st.hidden)
-            self._judge_suites(st, ex)
-            seen = set()
-            for s in st.suites:
-                for c in s.tests if s.valid else ():
-                    if (c["input"], c["output"]) not in seen:
-                        seen.add((c["input"], c["output"]))
-                        st.feedback.append(c)
-            for att in st.attempts:
-                att.failing = [c for c in st.feedback if not ex.passes(att.code, c)]
+        async def run_hidden(reply: _Reply) -> None:
+            await ex.run([(extract_code(reply.text), c["input"]) for c in st.hidden])
 
-        # round 2: one retry per program that failed the feedback suite
-        retry_jobs = []
-        if self.retry:
-            for st in states:
-                for att in st.attempts:
-                    if not att.failing:
-                        continue
-                    text = fill(self.templates["retry_prompt"], problem=st.problem,
-                                prompt=st.solver_prompt, attempt=att.text,
-                                failures=self._render_failures(att, ex))
-                    ids = self._encode(solver, text)
-                    if ids is None:
-                        att.retry_skipped = True
-                    else:
-                        retry_jobs.append((st.task, ids, att))
-        retried = self._round(engines, "solver", retry_jobs) if retry_jobs else []
-        for att, ids, comp, version, sp in retried:
-            text = SingleTurnWorkflow.decode(solver.tokenizer, comp)
-            att.retry_code = extract_code(text)
-            att.retry = completion_sample(att.task.task, solver_id,
-                                          index(att.task.task, solver_id), att.slot, ids, comp,
-                                          version, 0.0, sp.temperature, role="solver", text=text)
-        ex.run([(att.retry_code, c["input"]) for att, *_ in retried for c in att.task.hidden])
-        for att, *_ in retried:
-            att.retry_hidden_passed = sum(ex.passes(att.retry_code, c) for c in att.task.hidden)
+        replies = await self._round(engines, "solver", st.task, [ids for _, ids in jobs],
+                                    then=run_hidden)
+        for (att, _), reply in zip(jobs, replies):
+            att.retry_code = extract_code(reply.text)
+            att.retry = self._sample(st.task, "solver", index, att.slot, reply)
+            att.retry_hidden_passed = sum(ex.passes(att.retry_code, c) for c in st.hidden)
 
-        return self._collect(states)
-
-    def _limits_for(self, states: list[_TaskState]) -> dict:
-        """Sandbox limits, with the kept output raised above the longest expected output."""
-        longest = max((len(c["output"]) for st in states
-                       for c in st.hidden + [c for s in st.suites for c in s.tests]), default=0)
+    def _limits_for(self, st: _TaskState) -> dict:
+        """Sandbox limits, with the kept output raised above the task's longest expected
+        output (hidden or generated)."""
+        longest = max((len(c["output"]) for c in st.hidden + [c for s in st.suites
+                                                              for c in s.tests]), default=0)
         limits = dict(self.limits)
         limits["output_cap"] = max(limits.get("output_cap", 64 * 1024), 2 * longest + 1024)
         return limits
@@ -515,42 +564,41 @@ class CodeSolverTestGen(Workflow):
                 caught = sum(any(not ex.passes(a.code, c) for c in s.tests) for a in wrong)
                 s.catch_rate = caught / len(wrong)
 
-    def _collect(self, states: list[_TaskState]) -> dict[str, list[Sample]]:
-        results: dict[str, list[Sample]] = {st.task.task_id: [] for st in states}
+    def _collect(self, st: _TaskState) -> list[Sample]:
+        """Rewards and metadata of every sample of the task (module docstring); solver samples
+        first, each model id by sample index."""
         w = self.diagnostic_weight
-        for st in states:
-            total = len(st.hidden)
-            out = results[st.task.task_id]
-            for att in st.attempts:
-                team = int(att.team_correct)
-                s = att.sample
-                s.reward = self._solver_reward(att.hidden_passed, total)
-                s.metadata.update({"attempt": 0, "slot": att.slot,
-                                   "hidden_passed": att.hidden_passed, "hidden_total": total,
-                                   "feedback_failed": len(att.failing),
-                                   "feedback_total": len(st.feedback),
-                                   "retried": int(att.retry is not None),
-                                   "retry_skipped": int(att.retry_skipped),
-                                   "team_correct": team})
-                out.append(s)
-                if att.retry is not None:
-                    r = att.retry
-                    r.reward = self._solver_reward(att.retry_hidden_passed, total)
-                    r.metadata.update({"attempt": 1, "slot": att.slot,
-                                       "hidden_passed": att.retry_hidden_passed,
-                                       "hidden_total": total, "team_correct": team})
-                    out.append(r)
-            n_wrong = sum(not a.correct for a in st.attempts)
-            for suite in st.suites:
-                s = suite.sample
-                s.reward = ((1.0 - w) + w * suite.catch_rate) if suite.valid else 0.0
-                s.metadata.update({"slot": suite.slot, "num_tests": len(suite.tests),
-                                   "valid": int(suite.valid), "validity": suite.reason,
-                                   "catch_rate": float(suite.catch_rate),
-                                   "wrong_programs": n_wrong})
-                out.append(s)
+        total = len(st.hidden)
+        out = []
+        for att in st.attempts:
+            team = int(att.team_correct)
+            s = att.sample
+            s.reward = self._solver_reward(att.hidden_passed, total)
+            s.metadata.update({"attempt": 0, "slot": att.slot,
+                               "hidden_passed": att.hidden_passed, "hidden_total": total,
+                               "feedback_failed": len(att.failing),
+                               "feedback_total": len(st.feedback),
+                               "retried": int(att.retry is not None),
+                               "retry_skipped": int(att.retry_skipped),
+                               "team_correct": team})
+            out.append(s)
+            if att.retry is not None:
+                r = att.retry
+                r.reward = self._solver_reward(att.retry_hidden_passed, total)
+                r.metadata.update({"attempt": 1, "slot": att.slot,
+                                   "hidden_passed": att.retry_hidden_passed,
+                                   "hidden_total": total, "team_correct": team})
+                out.append(r)
+        n_wrong = sum(not a.correct for a in st.attempts)
+        for suite in st.suites:
+            s = suite.sample
+            s.reward = ((1.0 - w) + w * suite.catch_rate) if suite.valid else 0.0
+            s.metadata.update({"slot": suite.slot, "num_tests": len(suite.tests),
+                               "valid": int(suite.valid), "validity": suite.reason,
+                               "catch_rate": float(suite.catch_rate),
+                               "wrong_programs": n_wrong})
+            out.append(s)
         solver_id = self.roles["solver"]
-        for samples in results.values():
-            samples.sort(key=lambda s: (s.role != "solver", s.model_id != solver_id,
-                                        s.sample_index))
-        return results
+        out.sort(key=lambda s: (s.role != "solver", s.model_id != solver_id, s.sample_index))
+        return out
+

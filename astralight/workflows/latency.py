@@ -3,41 +3,47 @@
 Tool calls, retries, sandboxes and multi-turn environments make rollout latency heavy-tailed: most
 tasks finish fast, a few take many times longer. A synchronous RL loop waits for the slowest task
 of every batch; an asynchronous one keeps generating. ``LongTailLatency`` wraps any workflow and
-holds each cycle's results back until the slowest of its tasks' delays has passed, with delays
-drawn from a capped log-normal (seeded), so the same system can measure sync against async on the
-same workload (``tests/benchmarks/bench_async_vs_sync.py``). Run it with
-``RaaSConfig.concurrent_cycles`` equal to ``max_concurrency`` (one task per cycle) so every task
-is pushed as soon as its own delay is over.
+holds each task back by its own delay, drawn from a capped log-normal (seeded per task id), before
+the inner workflow runs it, so the same system can measure sync against async on the same workload
+(``tests/benchmarks/bench_async_vs_sync.py``). The delay is an ``asyncio.sleep`` in that task's own
+episode: every other task in flight keeps generating and is pushed as soon as it is done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
-import time
 from typing import Any
 
 import numpy as np
 
 from astralight.protocol import Sample, Task
-from astralight.workflows.base import Workflow
+from astralight.workflows.base import Workflow, as_episode_runner
 
 
 class LongTailLatency(Workflow):
     """Args:
-        inner: the workflow that does the work (its ``name`` is this workflow's name).
+        inner: the workflow that does the work (its ``name`` is this workflow's name); one with
+            the older synchronous ``run(tasks, engines)`` is run through
+            :func:`astralight.workflows.base.as_episode_runner`.
         median_s: median delay per task, seconds.
         sigma: log-normal shape; 0 makes every delay ``median_s``; 1.5 gives a tail whose
             maximum over 32 tasks is ~20x the median.
         cap_s: no delay is longer than this.
         seed: seeds the delays (per task id, so a re-issued task gets the same delay).
         train_only: eval tasks run without delay (they measure the policy, not the system).
+
+    ``delays_s`` lists the delay of every task run so far.
     """
 
     def __init__(self, inner: Workflow, median_s: float = 0.2, sigma: float = 1.5,
                  cap_s: float = 10.0, seed: int = 0, train_only: bool = True):
-        if not isinstance(inner, Workflow):
-            raise TypeError(f"inner: expected a Workflow, got {type(inner).__name__}")
+        try:
+            self.runner = as_episode_runner(inner)
+        except TypeError as exc:
+            raise TypeError(f"inner: expected a workflow, got {type(inner).__name__} "
+                            f"({exc})") from None
         if median_s < 0 or sigma < 0 or cap_s < 0:
             raise ValueError("median_s, sigma, cap_s: must be >= 0")
         self.inner, self.median_s, self.sigma, self.cap_s = inner, median_s, sigma, cap_s
@@ -54,13 +60,12 @@ class LongTailLatency(Workflow):
         z = float(np.random.default_rng(key).standard_normal())
         return min(self.cap_s, self.median_s * math.exp(self.sigma * z))
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        start = time.monotonic()
-        results = self.inner.run(tasks, engines)
-        delays = [self.delay_for(t) for t in tasks]
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        """Sleep the task's delay (only this episode waits), then run it with the inner
+        workflow and return its samples unchanged."""
+        delay = self.delay_for(task)
         with self._lock:
-            self.delays_s.extend(delays)
-        wait = max(delays, default=0.0) - (time.monotonic() - start)
-        if wait > 0:
-            time.sleep(wait)
-        return results
+            self.delays_s.append(delay)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await self.runner.run(task, engines)

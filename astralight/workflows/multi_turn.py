@@ -10,12 +10,15 @@ policy saw.
 
 Environments are plugins named by import path (``environment: pkg.module.Class`` plus
 ``environment_kwargs``); the workflow builds one per episode, so an environment may keep state.
-All episodes of a lease cycle advance in lock step: one ``generate`` call per turn (per sampling
-kind) for every episode still running.
+Every episode is its own coroutine: its next turn is submitted to the engine as soon as its own
+environment step returns, so a slow environment step or a long episode never holds another
+episode; ``reset`` and ``step`` run on an executor thread (they may block: a game, a tool, a
+web call) while the engine keeps generating for every other episode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -25,7 +28,7 @@ import numpy as np
 
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import SamplingSpec
-from astralight.workflows.base import Workflow, tokenize_prompt
+from astralight.workflows.base import Workflow, blocking, tokenize_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,13 @@ class _Episode:
         self.mask.extend([mask] * len(ids))
         self.versions.extend([version] * len(ids))
 
+    def extend_action(self, completion: Any, version: int) -> None:
+        """The policy's own tokens, each with its behaviour log-prob and sampling version."""
+        self.ids.extend(completion.token_ids)
+        self.logprobs.extend(completion.logprobs)
+        self.mask.extend([1] * len(completion.token_ids))
+        self.versions.extend(completion.token_versions(version))
+
 
 class MultiTurnWorkflow(Workflow):
     """Episodes with an environment, one Sample per episode (``Task.workflow == "multi_turn"``).
@@ -153,74 +163,54 @@ class MultiTurnWorkflow(Workflow):
     def _tokens(self, tokenizer: Any, text: str, first: bool) -> list[int]:
         return tokenize_prompt(tokenizer, text, self.add_special_tokens and first) if text else []
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        results: dict[str, list[Sample]] = {t.task_id: [] for t in tasks}
-        for model_id in dict.fromkeys(m for t in tasks for m in t.model_ids):
-            if model_id not in engines:
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        episodes = []
+        for model_id in task.model_ids:
+            engine = engines.get(model_id)
+            if engine is None:
                 raise KeyError(f"task.model_ids: no engine for {model_id!r}; this RaaS serves "
                                f"{sorted(engines)}")
-            episodes: list[tuple[str, _Episode]] = []
-            engine = engines[model_id]
-            for task in tasks:
-                if model_id not in task.model_ids:
-                    continue
-                kind = "eval" if task.kind == "eval" else "train"
-                for g in range(task.n):
-                    env = self.factory(**self.environment_kwargs)
-                    ids = self._tokens(engine.tokenizer, env.reset(task), first=True)
-                    episodes.append((kind, _Episode(task, g, env, list(ids), len(ids))))
-            self._play(engine, episodes)
-            index: dict[str, int] = {}
-            for _, ep in episodes:
-                if not ep.mask or not any(ep.mask):
-                    log.warning("task %s: episode %d produced no action (%s); no sample",
-                                ep.task.task_id, ep.slot, ep.end)
-                    continue
-                i = index.get(ep.task.task_id, 0)
-                index[ep.task.task_id] = i + 1
-                results[ep.task.task_id].append(self._sample(ep, model_id, i))
-        return results
+            episodes += [(model_id, engine, g) for g in range(task.n)]
+        played = await asyncio.gather(*(self.play(task, engine, g)
+                                        for _, engine, g in episodes))
+        samples = []
+        for (model_id, _, _), ep in zip(episodes, played):
+            if not ep.mask or not any(ep.mask):
+                log.warning("task %s: episode %d produced no action (%s); no sample",
+                            ep.task.task_id, ep.slot, ep.end)
+                continue
+            samples.append(self._sample(ep, model_id, len(samples)))
+        return samples
 
-    def _play(self, engine: Any, episodes: list[tuple[str, _Episode]]) -> None:
+    async def play(self, task: Task, engine: Any, slot: int) -> _Episode:
+        """One episode: reset, then act / step until done, ``max_turns`` or a full context."""
+        env = await blocking(self.factory, **self.environment_kwargs)
+        first = await blocking(env.reset, task)
+        ids = self._tokens(engine.tokenizer, first, first=True)
+        ep = _Episode(task, slot, env, list(ids), len(ids))
+        sampling = self.eval_sampling if task.kind == "eval" else self.sampling
         limit = getattr(engine, "max_model_len", None)
-        live = [(k, ep) for k, ep in episodes]
         for turn in range(self.max_turns):
-            for kind in ("train", "eval"):
-                batch = []
-                for k, ep in live:
-                    if k != kind:
-                        continue
-                    if not ep.ids or (limit is not None and len(ep.ids) >= limit):
-                        ep.end = "context_full"
-                        continue
-                    batch.append(ep)
-                if not batch:
-                    continue
-                sampling = self.eval_sampling if kind == "eval" else self.sampling
-                version = int(engine.version)
-                comps = engine.generate([list(ep.ids) for ep in batch], sampling)
-                if len(comps) != len(batch):
-                    raise RuntimeError(f"engine returned {len(comps)} completions for "
-                                       f"{len(batch)} prompts")
-                for ep, comp in zip(batch, comps):
-                    ep.append(comp.token_ids, comp.logprobs, 1,
-                              version if comp.version is None else comp.version)
-                    action = SingleTurnWorkflow.decode(engine.tokenizer, comp)
-                    ep.actions.append(action)
-                    obs, reward, done = ep.env.step(action)
-                    ep.rewards.append(float(reward))
-                    if done:
-                        ep.end = "done"
-                    elif turn + 1 == self.max_turns:
-                        ep.end = "max_turns"  # the last observation would never be acted on
-                    else:
-                        obs_ids = self._tokens(engine.tokenizer, obs, first=False)
-                        ep.append(obs_ids, [0.0] * len(obs_ids), 0, -1)
-            live = [(k, ep) for k, ep in live if not ep.end]
-            if not live:
+            if not ep.ids or (limit is not None and len(ep.ids) >= limit):
+                ep.end = "context_full"
                 break
-        for _, ep in live:
-            ep.end = ep.end or "max_turns"
+            version = int(engine.version)
+            comp = await engine.generate(list(ep.ids), sampling.for_request(slot + turn * task.n))
+            ep.extend_action(comp, version)
+            action = SingleTurnWorkflow.decode(engine.tokenizer, comp)
+            ep.actions.append(action)
+            obs, reward, done = await blocking(env.step, action)
+            ep.rewards.append(float(reward))
+            if done:
+                ep.end = "done"
+                break
+            if turn + 1 == self.max_turns:
+                ep.end = "max_turns"  # the last observation would never be acted on
+                break
+            obs_ids = self._tokens(engine.tokenizer, obs, first=False)
+            ep.append(obs_ids, [0.0] * len(obs_ids), 0, -1)
+        ep.end = ep.end or "max_turns"
+        return ep
 
     def _sample(self, ep: _Episode, model_id: str, index: int) -> Sample:
         sampling = self.eval_sampling if ep.task.kind == "eval" else self.sampling

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import Completion, SamplingSpec
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Workflow, tokenize_prompt
+from astralight.workflows.base import Workflow, blocking, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,9 @@ def completion_sample(task: Task, model_id: str, sample_index: int, group_index:
     """A :class:`Sample` for prompt + one completion, arrays laid out per the protocol.
 
     Per token of ``prompt_ids + completion.token_ids``: log-prob 0 / mask 0 / version -1 on the
-    prompt; the behaviour log-prob / mask 1 / the engine's version on generated tokens (the EOS
-    token included: emitting it is an action the policy is trained on).
+    prompt; the behaviour log-prob / mask 1 / the version that sampled it on generated tokens
+    (the EOS token included: emitting it is an action the policy is trained on). ``version`` is
+    used for tokens of an engine that stamps no per-token versions.
     """
     p, c = len(prompt_ids), len(completion.token_ids)
     metadata = {"temperature": float(temperature), "finish_reason": completion.finish_reason}
@@ -36,7 +38,8 @@ def completion_sample(task: Task, model_id: str, sample_index: int, group_index:
         logprobs=np.concatenate([np.zeros(p, np.float32),
                                  np.asarray(completion.logprobs, dtype=np.float32)]),
         loss_mask=np.concatenate([np.zeros(p, np.uint8), np.ones(c, np.uint8)]),
-        versions=np.concatenate([np.full(p, -1, np.int32), np.full(c, version, np.int32)]),
+        versions=np.concatenate([np.full(p, -1, np.int32),
+                                 np.asarray(completion.token_versions(version), dtype=np.int32)]),
         reward=float(reward),
         prompt_len=p,
         group_index=group_index,
@@ -57,7 +60,8 @@ class SingleTurnWorkflow(Workflow):
             (multi-policy workflows look engines up by role; here engines are keyed by model id).
         add_special_tokens: let the tokenizer add BOS etc. when tokenizing text prompts.
 
-    All prompts of a lease cycle that share an engine and a sampling go into one ``generate`` call.
+    All ``n`` completions of a task (for every policy) are in flight at once; the reward runs
+    on an executor thread as each completion arrives.
     """
 
     name = "single_turn"
@@ -75,47 +79,44 @@ class SingleTurnWorkflow(Workflow):
         self.role_of = {mid: role for role, mid in self.roles.items()}
         self.add_special_tokens = add_special_tokens
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        results: dict[str, list[Sample]] = {t.task_id: [] for t in tasks}
-        # (model_id, kind) -> list of (task, sample_index, group_index, prompt_ids)
-        jobs: dict[tuple[str, str], list[tuple[Task, int, int, list[int]]]] = {}
-        for task in tasks:
-            next_index = 0
-            for model_id in task.model_ids:
-                engine = engines.get(model_id)
-                if engine is None:
-                    raise KeyError(f"task.model_ids: no engine for {model_id!r} "
-                                   f"(task {task.task_id}); this RaaS serves {sorted(engines)}")
-                prompt_ids = tokenize_prompt(engine.tokenizer, task.prompt, self.add_special_tokens)
-                limit = getattr(engine, "max_model_len", None)
-                if not prompt_ids or (limit is not None and len(prompt_ids) >= limit):
-                    log.warning("task %s: prompt of %d tokens does not fit max_model_len=%s; "
-                                "no samples", task.task_id, len(prompt_ids), limit)
-                    next_index += task.n
-                    continue
-                kind = "eval" if task.kind == "eval" else "train"
-                for g in range(task.n):
-                    jobs.setdefault((model_id, kind), []).append((task, next_index, g, prompt_ids))
-                    next_index += 1
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        sampling = self.eval_sampling if task.kind == "eval" else self.sampling
+        jobs = []  # (model_id, engine, sample_index, group_index, prompt_ids)
+        next_index = 0
+        for model_id in task.model_ids:
+            engine = engines.get(model_id)
+            if engine is None:
+                raise KeyError(f"task.model_ids: no engine for {model_id!r} "
+                               f"(task {task.task_id}); this RaaS serves {sorted(engines)}")
+            prompt_ids = tokenize_prompt(engine.tokenizer, task.prompt, self.add_special_tokens)
+            limit = getattr(engine, "max_model_len", None)
+            if not prompt_ids or (limit is not None and len(prompt_ids) >= limit):
+                log.warning("task %s: prompt of %d tokens does not fit max_model_len=%s; "
+                            "no samples", task.task_id, len(prompt_ids), limit)
+                next_index += task.n
+                continue
+            for g in range(task.n):
+                jobs.append((model_id, engine, next_index, g, prompt_ids))
+                next_index += 1
 
-        for (model_id, kind), batch in jobs.items():
-            engine = engines[model_id]
-            sampling = self.eval_sampling if kind == "eval" else self.sampling
-            version = int(engine.version)  # unless the engine stamps each completion
-            completions = engine.generate([b[3] for b in batch], sampling)
-            if len(completions) != len(batch):
-                raise RuntimeError(f"engine {model_id!r} returned {len(completions)} completions "
-                                   f"for {len(batch)} prompts")
-            for (task, index, g, prompt_ids), comp in zip(batch, completions):
-                text = self.decode(engine.tokenizer, comp)
-                reward = float(self.reward(text, task.metadata))
-                results[task.task_id].append(completion_sample(
-                    task, model_id, index, g, prompt_ids, comp,
-                    version if comp.version is None else comp.version, reward,
-                    sampling.temperature, role=self.role_of.get(model_id, ""), text=text))
-        for samples in results.values():
-            samples.sort(key=lambda s: s.sample_index)
-        return results
+        async def one(model_id, engine, index, g, prompt_ids) -> Sample:
+            version = int(engine.version)
+            comp = await engine.generate(prompt_ids, sampling.for_request(g))
+            text = self.decode(engine.tokenizer, comp)
+            reward = float(await self.score(text, task.metadata))
+            return completion_sample(task, model_id, index, g, prompt_ids, comp, version, reward,
+                                     sampling.temperature, role=self.role_of.get(model_id, ""),
+                                     text=text)
+
+        samples = await asyncio.gather(*(one(*job) for job in jobs))
+        return sorted(samples, key=lambda s: s.sample_index)
+
+    async def score(self, text: str, metadata: dict) -> float:
+        """The reward of one completion; on an executor thread unless the reward says it is
+        cheap (``reward.cheap = True``: exact match and other pure-Python checks)."""
+        if getattr(self.reward, "cheap", False):
+            return float(self.reward(text, metadata))
+        return float(await blocking(self.reward, text, metadata))
 
     @staticmethod
     def decode(tokenizer: Any, completion: Completion) -> str:

@@ -15,9 +15,11 @@ learns only from its own tokens):
   retries) and earns ``invalid_reward`` (0 by default), so a verifier is never paid for noise.
 
 Every sample's metadata holds ``verdict`` and ``team_correct`` (0/1) of its attempt chain, so the
-dataflow and evals can report team accuracy and verdict accuracy. One lease cycle is batched
-into at most three rounds of ``generate`` calls: all first attempts, then all verdicts, then all
-retries (one call per engine and sampling in each round).
+dataflow and evals can report team accuracy and verdict accuracy. One task runs as at most three
+rounds: its ``n`` first attempts in flight at once, then their verdicts, then the retries; each
+reply is decoded and scored as it arrives. Every leased task is its own episode, so the engines
+batch the requests of all tasks in flight (a task in its retry round shares an engine step with
+another's first attempts).
 
 Default templates are the paper's math role prompts (Appendix A.9, verbatim, with
 ``{task_description}`` -> ``{problem}`` and ``{team_context}`` filled with the teammates'
@@ -26,19 +28,25 @@ outputs); the toy recipe passes the short character-level templates of :data:`TO
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from itertools import count
+from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import Completion, SamplingSpec
 from astralight.rewards.base import Reward
-from astralight.workflows.base import (Workflow, check_roles, encode_text_prompt,
-                                       generate_round)
+from astralight.workflows.base import Workflow, blocking, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
+
+#: the next sample index of each model id within one task (``defaultdict(count)``): both roles
+#: share one sequence when they share a model id, so indices stay unique
+_Indices = dict[str, Iterator[int]]
 
 APPROVE, REJECT, INVALID = "approve", "reject", "invalid"
 
@@ -143,10 +151,21 @@ class VerdictParser:
 
 
 @dataclass
-class _Attempt:
-    """One group slot of one task: first answer, verdict, optional retry."""
+class _Reply:
+    """One request's outcome: its prompt, completion, fallback version, text and reward."""
 
-    task: Task
+    ids: list[int]
+    completion: Completion
+    version: int
+    text: str
+    temperature: float
+    reward: float = 0.0
+
+
+@dataclass
+class _Attempt:
+    """One group slot of the task: first answer, verdict, optional retry."""
+
     slot: int
     first: Sample | None = None
     first_text: str = ""
@@ -231,11 +250,13 @@ class SolverVerifier(Workflow):
     # ------------------------------------------------------------------------------ helpers
 
     def _sampling(self, role: str, kind: str) -> SamplingSpec:
+        """The sampling of ``role`` for a task of ``kind`` (eval tasks use the eval specs)."""
         if role == "verifier":
             return self.verifier_eval_sampling if kind == "eval" else self.verifier_sampling
         return self.eval_sampling if kind == "eval" else self.sampling
 
     def _encode(self, engine: Any, text: str) -> list[int] | None:
+        """Prompt ids of a filled template, or None when it does not fit the engine."""
         return encode_text_prompt(engine, text, self.chat, self.add_special_tokens)
 
     @staticmethod
@@ -249,96 +270,133 @@ class SolverVerifier(Workflow):
         raise TypeError(f"task.prompt: solver_verifier needs text or chat messages, "
                         f"got {type(task.prompt).__name__} (task {task.task_id})")
 
-    def _round(self, engines: dict[str, Any], role: str, jobs: list[tuple[Task, list[int], Any]]
-               ) -> list[tuple[Any, list[int], Completion, int, SamplingSpec]]:
-        """Generate for every job of one round: one call per (engine, sampling kind).
+    async def _score(self, text: str, metadata: dict) -> float:
+        """The solver reward of one answer; on an executor thread unless the reward is cheap
+        (``reward.cheap``), so a reward that runs a verifier never blocks other episodes."""
+        if getattr(self.reward, "cheap", False):
+            return float(self.reward(text, metadata))
+        return float(await blocking(self.reward, text, metadata))
 
-        ``jobs``: (task, prompt_ids, key). Returns (key, prompt_ids, completion, version, sampling).
+    async def _ask(self, engine: Any, ids: list[int], spec: SamplingSpec,
+                   metadata: dict | None = None) -> _Reply:
+        """One request: generate, decode (EOS stripped) and, given ``metadata``, score the
+        answer with the solver reward."""
+        version = int(engine.version)
+        comp = await engine.generate(ids, spec)
+        reply = _Reply(ids, comp, version, SingleTurnWorkflow.decode(engine.tokenizer, comp),
+                       spec.temperature)
+        if metadata is not None:
+            reply.reward = await self._score(reply.text, metadata)
+        return reply
+
+    async def _round(self, engines: dict[str, Any], role: str, task: Task,
+                     prompts: list[list[int]], score: bool) -> list[_Reply]:
+        """Every prompt of one round of ``role`` in flight at once, replies in prompt order.
+
+        Request ``i`` samples with ``spec.for_request(i)`` (its own seed when seeded); ``score``
+        rewards each answer against ``task.metadata`` as soon as it arrives.
         """
+        engine = engines[self.roles[role]]
+        spec = self._sampling(role, task.kind)
+        metadata = task.metadata if score else None
+        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i), metadata)
+                                           for i, ids in enumerate(prompts))))
+
+    def _sample(self, task: Task, role: str, index: _Indices, slot: int,
+                reply: _Reply, reward: float) -> Sample:
+        """The sample of one reply of ``role`` (its model id, the next index of that id)."""
         model_id = self.roles[role]
-        return generate_round(engines[model_id], model_id, jobs,
-                              lambda kind: self._sampling(role, kind))
+        return completion_sample(task, model_id, next(index[model_id]), slot, reply.ids,
+                                 reply.completion, reply.version, reward, reply.temperature,
+                                 role=role, text=reply.text)
 
     # ------------------------------------------------------------------------------ run
 
-    def run(self, tasks: list[Task], engines: dict[str, Any]) -> dict[str, list[Sample]]:
-        check_roles(self.name, self.roles, tasks, engines)
-        solver_id, verifier_id = self.roles["solver"], self.roles["verifier"]
-        solver, verifier = engines[solver_id], engines[verifier_id]
-        next_index: dict[tuple[str, str], int] = {}
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        """The task's samples: first attempts, verdicts, retries (solver samples first, each
+        role by sample index). A prompt that does not fit its engine drops that step."""
+        check_roles(self.name, self.roles, [task], engines)
+        problem = self.problem_text(task)
+        index: _Indices = defaultdict(count)
+        attempts = await self._first_attempts(task, problem, engines, index)
+        await self._verdicts(task, problem, attempts, engines, index)
+        await self._retries(task, problem, attempts, engines, index)
+        return self._collect(attempts)
 
-        def index(task: Task, model_id: str) -> int:
-            key = (task.task_id, model_id)
-            next_index[key] = next_index.get(key, 0) + 1
-            return next_index[key] - 1
-
-        # round 1: every first attempt
-        attempts: list[_Attempt] = []
-        jobs = []
-        problems = {t.task_id: self.problem_text(t) for t in tasks}
-        for task in tasks:
-            ids = self._encode(solver, fill_template(self.templates["solver"],
-                                                     problem=problems[task.task_id]))
-            if ids is None:
-                continue
-            for g in range(task.n):
-                att = _Attempt(task, g)
-                attempts.append(att)
-                jobs.append((task, ids, att))
-        for att, ids, comp, version, sp in self._round(engines, "solver", jobs):
-            att.first_text = SingleTurnWorkflow.decode(solver.tokenizer, comp)
-            reward = float(self.reward(att.first_text, att.task.metadata))
-            att.first_correct = reward >= self.correct_threshold
-            att.first = completion_sample(att.task, solver_id, index(att.task, solver_id), att.slot,
-                                          ids, comp, version, reward, sp.temperature,
-                                          role="solver", text=att.first_text)
+    async def _first_attempts(self, task: Task, problem: str, engines: dict[str, Any],
+                              index: _Indices) -> list[_Attempt]:
+        """Round 1: the task's ``n`` answers to the solver prompt, each scored."""
+        solver = engines[self.roles["solver"]]
+        ids = self._encode(solver, fill_template(self.templates["solver"], problem=problem))
+        if ids is None:
+            return []
+        attempts = [_Attempt(g) for g in range(task.n)]
+        replies = await self._round(engines, "solver", task, [ids] * task.n, score=True)
+        for att, reply in zip(attempts, replies):
+            att.first_text = reply.text
+            att.first_correct = reply.reward >= self.correct_threshold
+            att.first = self._sample(task, "solver", index, att.slot, reply, reply.reward)
             att.first.metadata["attempt"] = 0
+        return attempts
 
-        # round 2: every verdict
+    def _verdict_reward(self, verdict: str, judged_correct: bool) -> float:
+        """1 for a right verdict, 0 for a wrong one, ``invalid_reward`` for no verdict."""
+        if verdict == INVALID:
+            return self.invalid_reward
+        return 1.0 if (verdict == APPROVE) == judged_correct else 0.0
+
+    async def _verdicts(self, task: Task, problem: str, attempts: list[_Attempt],
+                        engines: dict[str, Any], index: _Indices) -> None:
+        """Round 2: the verifier judges every first answer (verdict parsing is a regex search:
+        cheap, on the loop)."""
+        verifier = engines[self.roles["verifier"]]
         jobs = []
         for att in attempts:
-            ids = self._encode(verifier, fill_template(
-                self.templates["verifier"], problem=problems[att.task.task_id], answer=att.first_text))
+            ids = self._encode(verifier, fill_template(self.templates["verifier"], problem=problem,
+                                                       answer=att.first_text))
             if ids is not None:
-                jobs.append((att.task, ids, att))
-        for att, ids, comp, version, sp in self._round(engines, "verifier", jobs):
-            att.feedback = SingleTurnWorkflow.decode(verifier.tokenizer, comp)
+                jobs.append((att, ids))
+        replies = await self._round(engines, "verifier", task, [ids for _, ids in jobs],
+                                    score=False)
+        for (att, _), reply in zip(jobs, replies):
+            att.feedback = reply.text
             att.verdict = self.parser(att.feedback)
-            if att.verdict == INVALID:
-                reward = self.invalid_reward
-            else:
-                reward = 1.0 if (att.verdict == APPROVE) == att.first_correct else 0.0
-            att.verifier = completion_sample(att.task, verifier_id, index(att.task, verifier_id),
-                                             att.slot, ids, comp, version, reward, sp.temperature,
-                                             role="verifier", text=att.feedback)
+            reward = self._verdict_reward(att.verdict, att.first_correct)
+            att.verifier = self._sample(task, "verifier", index, att.slot, reply, reward)
             att.verifier.metadata["judged_correct"] = int(att.first_correct)
 
-        # round 3: a retry for every rejected (or unparseable) answer
+    async def _retries(self, task: Task, problem: str, attempts: list[_Attempt],
+                       engines: dict[str, Any], index: _Indices) -> None:
+        """Round 3: one retry, with the verifier's text in context, for every rejected (or
+        unparseable) answer, each scored."""
+        solver = engines[self.roles["solver"]]
         jobs = []
         for att in attempts:
             if att.verdict in (REJECT, INVALID):
                 ids = self._encode(solver, fill_template(
-                    self.templates["retry"], problem=problems[att.task.task_id],
-                    answer=att.first_text, feedback=att.feedback))
+                    self.templates["retry"], problem=problem, answer=att.first_text,
+                    feedback=att.feedback))
                 if ids is not None:
-                    jobs.append((att.task, ids, att))
-        for att, ids, comp, version, sp in self._round(engines, "solver", jobs):
-            text = SingleTurnWorkflow.decode(solver.tokenizer, comp)
-            reward = float(self.reward(text, att.task.metadata))
-            att.retry_correct = reward >= self.correct_threshold
-            att.retry = completion_sample(att.task, solver_id, index(att.task, solver_id), att.slot,
-                                          ids, comp, version, reward, sp.temperature,
-                                          role="solver", text=text)
+                    jobs.append((att, ids))
+        replies = await self._round(engines, "solver", task, [ids for _, ids in jobs],
+                                    score=True)
+        for (att, _), reply in zip(jobs, replies):
+            att.retry_correct = reply.reward >= self.correct_threshold
+            att.retry = self._sample(task, "solver", index, att.slot, reply, reply.reward)
             att.retry.metadata["attempt"] = 1
 
-        results: dict[str, list[Sample]] = {t.task_id: [] for t in tasks}
+    def _collect(self, attempts: list[_Attempt]) -> list[Sample]:
+        """Every sample tagged with its chain's verdict, team outcome and slot; solver samples
+        first, each model id by sample index."""
+        out = []
         for att in attempts:
             team = int(att.team_correct)
             for s in (att.first, att.verifier, att.retry):
-                if s is None:
-                    continue
-                s.metadata.update({"verdict": att.verdict, "team_correct": team, "slot": att.slot})
-                results[att.task.task_id].append(s)
-        for samples in results.values():
-            samples.sort(key=lambda s: (s.model_id != solver_id, s.sample_index))
-        return results
+                if s is not None:
+                    s.metadata.update({"verdict": att.verdict, "team_correct": team,
+                                       "slot": att.slot})
+                    out.append(s)
+        solver_id = self.roles["solver"]
+        out.sort(key=lambda s: (s.model_id != solver_id, s.sample_index))
+        return out
+

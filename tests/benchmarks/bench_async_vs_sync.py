@@ -14,7 +14,7 @@ number of versions; only the dataflow's ``mode`` differs:
 
 Every task goes through :class:`astralight.workflows.latency.LongTailLatency` (a capped
 log-normal delay per task, as tool calls and retries give), and the RaaS runs one lease cycle per
-task (``concurrent_cycles = max_concurrency``), so each task is pushed when its own delay is over.
+task (every leased task is its own episode), so each task is pushed when its own delay is over.
 
 Prints ``sync_s_per_version``, ``async_s_per_version`` (wall time between the first and the last
 published version of the slower policy, per version), ``speedup``, ``sync_final_accuracy`` and
@@ -64,7 +64,6 @@ def mode_recipe(mode: str, versions: int, batch_size: int, median_s: float, sigm
         r["workflow"] = {"class_path": "astralight.workflows.latency.LongTailLatency",
                          "init_args": {"inner": r["workflow"], "median_s": median_s,
                                        "sigma": sigma, "cap_s": cap_s, "seed": 0}}
-        r["concurrent_cycles"] = r.get("max_concurrency", 32)
     trainers = [dict(t) for t in base["trainers"]]
     for t in trainers:
         t["trainer"] = {**t["trainer"], "max_steps": versions}

@@ -69,7 +69,7 @@ def _prompt_ids(engine):
 
 
 def greedy(engine) -> list[list[int]]:
-    return [c.token_ids for c in engine.generate(_prompt_ids(engine), SamplingSpec(temperature=0,
+    return [c.token_ids for c in engine.generate_batch(_prompt_ids(engine), SamplingSpec(temperature=0,
                                                                                    max_tokens=8))]
 
 
@@ -124,7 +124,7 @@ def _bf16_reference(model_dir, model=None) -> torch.nn.Module:
 def logprob_gap(engine, reference) -> float:
     """max |vLLM log-prob - transformers log-prob| over sampled completions."""
     ids = _prompt_ids(engine)
-    comps = engine.generate(ids, SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
+    comps = engine.generate_batch(ids, SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
     gaps = []
     with torch.no_grad():
         for prompt, c in zip(ids, comps):

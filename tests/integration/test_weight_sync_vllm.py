@@ -141,7 +141,7 @@ def _reference_logprobs(model_dir, state, sequences, prompt_lens, temperature=1.
 def _logprob_gap(engine, model_dir, state) -> float:
     """max |vLLM log-prob - transformers log-prob on ``state``| over sampled completions."""
     ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
-    comps = engine.generate(ids, SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
+    comps = engine.generate_batch(ids, SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
     seqs = [i + c.token_ids for i, c in zip(ids, comps)]
     ref = _reference_logprobs(model_dir, state, seqs, [len(i) for i in ids])
     return float(np.concatenate([np.abs(np.array(c.logprobs) - r) for c, r in zip(comps, ref)]).max())

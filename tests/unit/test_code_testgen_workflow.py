@@ -1,15 +1,20 @@
 """CodeSolverTestGen with scripted engines (a char tokenizer, fixed completions) and the real
 sandbox: first-time success, a wrong program fixed on retry, invalid / weak generated tests,
-roles, model ids and loss masks of every sample."""
+roles, model ids and loss masks of every sample, concurrent tasks, sandbox off the event loop."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import numpy as np
 import pytest
 
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import SamplingSpec
+from astralight.workflows import code_testgen
 from astralight.workflows.code_testgen import CodeSolverTestGen, parse_tests
+from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
 
 EOS = 1
 
@@ -26,23 +31,11 @@ class CharTokenizer:
         return "".join(chr(i - 3) for i in ids if i >= 3)
 
 
-class ScriptedEngine:
-    """Answers each prompt with ``respond(prompt_text, call_index)``; records every prompt."""
-
-    def __init__(self, respond, version):
-        self.respond = respond
-        self.version = version
-        self.tokenizer = CharTokenizer()
-        self.prompts: list[list[str]] = []  # one list per generate call
-
-    def generate(self, prompt_token_ids, params):
-        texts = [self.tokenizer.decode(p) for p in prompt_token_ids]
-        self.prompts.append(texts)
-        out = []
-        for i, text in enumerate(texts):
-            ids = self.tokenizer(self.respond(text, i))["input_ids"] + [EOS]
-            out.append(Completion(ids, [-0.25] * len(ids), "stop"))
-        return out
+def ScriptedEngine(respond, version, name="", log=None):
+    """Answers each prompt with ``respond(prompt_text, k)``, ``k`` = earlier requests with that
+    prompt; records every request."""
+    return PromptScriptEngine(respond, CharTokenizer(), version=version, logprob=-0.25,
+                              name=name, log=log)
 
 
 RIGHT = "Here it is:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -54,30 +47,35 @@ ROLES = {"solver": "pol-s", "testgen": "pol-t"}
 LIMITS = {"cpu_s": 1, "wall_s": 5}
 
 
-def make_task(n, task_id="t0"):
+def make_task(n, task_id="t0", op="+"):
+    """A task "print a<op>b" with two hidden tests and a reference program."""
+    f = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}[op]
     return Task(task_id=task_id, prompt="ignored", n=n, model_ids=["pol-s", "pol-t"],
                 workflow="code_testgen",
-                metadata={"problem": "Read integers a and b; print a+b.",
-                          "hidden_tests": [{"input": "1 2\n", "output": "3"},
-                                           {"input": "10 -4\n", "output": "6"}],
-                          "reference": "a, b = map(int, input().split())\nprint(a + b)\n"})
+                metadata={"problem": f"Read integers a and b; print a{op}b.",
+                          "hidden_tests": [{"input": "1 2\n", "output": str(f(1, 2))},
+                                           {"input": "10 -4\n", "output": str(f(10, -4))}],
+                          "reference": f"a, b = map(int, input().split())\nprint(a {op} b)\n"})
 
 
-def run(solver_respond, testgen_respond, n=2, **kw):
-    solver = ScriptedEngine(solver_respond, version=3)
-    testgen = ScriptedEngine(testgen_respond, version=7)
-    wf = CodeSolverTestGen(roles=ROLES, sampling=SamplingSpec(temperature=0.8, max_tokens=200),
-                           limits=LIMITS, sandbox_workers=2, **kw)
-    out = wf.run([make_task(n)], {"pol-s": solver, "pol-t": testgen})
-    assert list(out) == ["t0"]
-    return out["t0"], solver, testgen
+def make_wf(**kw):
+    return CodeSolverTestGen(roles=ROLES, sampling=SamplingSpec(temperature=0.8, max_tokens=200),
+                             limits=LIMITS, sandbox_workers=2, **kw)
+
+
+def run(solver_respond, testgen_respond, n=2, log=None, **kw):
+    solver = ScriptedEngine(solver_respond, version=3, name="solver", log=log)
+    testgen = ScriptedEngine(testgen_respond, version=7, name="testgen", log=log)
+    samples = asyncio.run(make_wf(**kw).run(make_task(n), {"pol-s": solver, "pol-t": testgen}))
+    assert {s.task_id for s in samples} == {"t0"}
+    return samples, solver, testgen
 
 
 def check_layout(samples, solver, testgen):
     """Role <-> model_id, unique indices, masks/versions/logprobs cover only generated tokens."""
     tok = CharTokenizer()
     engines = {"pol-s": solver, "pol-t": testgen}
-    prompts = {m: [p for call in e.prompts for p in call] for m, e in engines.items()}
+    prompts = {m: e.prompts() for m, e in engines.items()}
     seen = set()
     for s in samples:
         assert s.role in ROLES and s.model_id == ROLES[s.role]
@@ -103,11 +101,13 @@ def by_role(samples, role, attempt=None):
 
 
 def test_solver_right_the_first_time():
-    samples, solver, testgen = run(lambda p, i: RIGHT, lambda p, i: GOOD_TESTS)
+    samples, solver, testgen = run(lambda p, k: RIGHT, lambda p, k: GOOD_TESTS)
     check_layout(samples, solver, testgen)
     firsts, suites = by_role(samples, "solver", 0), by_role(samples, "testgen")
     assert len(firsts) == 2 and len(suites) == 2 and len(samples) == 4  # no retries
-    assert len(solver.prompts) == 1 and len(testgen.prompts) == 1  # batched, one call each
+    assert len(solver.requests) == 2 and len(testgen.requests) == 2
+    # programs and suites all in flight at once
+    assert solver.peak == 2 and testgen.peak == 2
     for s in firsts:
         assert s.reward == 1.0 and s.metadata["hidden_passed"] == 2
         assert s.metadata["retried"] == 0 and s.metadata["team_correct"] == 1
@@ -124,11 +124,15 @@ def test_wrong_program_fixed_on_retry():
     def solver_respond(prompt, i):
         return RIGHT if "failed these tests" in prompt else WRONG
 
-    samples, solver, testgen = run(solver_respond, lambda p, i: GOOD_TESTS)
+    log = []
+    samples, solver, testgen = run(solver_respond, lambda p, k: GOOD_TESTS, log=log)
     check_layout(samples, solver, testgen)
     firsts, retries = by_role(samples, "solver", 0), by_role(samples, "solver", 1)
     assert len(firsts) == 2 and len(retries) == 2
-    assert len(solver.prompts) == 2  # first attempts, then retries
+    # round 1 (programs and suites) is submitted before any retry, the retries together
+    assert sorted(name for name, _ in log[:4]) == ["solver", "solver", "testgen", "testgen"]
+    assert [name for name, _ in log[4:]] == ["solver", "solver"]
+    assert all("failed these tests" in text for _, text in log[4:])
     for s in firsts:
         assert s.reward == 0.0 and s.metadata["hidden_passed"] == 0  # a - b fails both
         assert s.metadata["retried"] == 1 and s.metadata["team_correct"] == 1
@@ -149,7 +153,8 @@ def test_wrong_program_fixed_on_retry():
 
 def test_invalid_tests_get_zero_and_are_not_used_as_feedback():
     suites_text = [GOOD_TESTS, BAD_TESTS, WEAK_TESTS]
-    samples, solver, testgen = run(lambda p, i: WRONG, lambda p, i: suites_text[i], n=3)
+    # the k-th request for the (one) testgen prompt is slot k's suite
+    samples, solver, testgen = run(lambda p, k: WRONG, lambda p, k: suites_text[k], n=3)
     check_layout(samples, solver, testgen)
     suites = sorted(by_role(samples, "testgen"), key=lambda s: s.metadata["slot"])
     assert [s.metadata["valid"] for s in suites] == [1, 0, 1]
@@ -166,16 +171,16 @@ def test_invalid_tests_get_zero_and_are_not_used_as_feedback():
 
 
 def test_unparseable_tests_are_invalid_and_no_feedback_means_no_retry():
-    samples, solver, _ = run(lambda p, i: WRONG, lambda p, i: "I cannot write tests.")
+    samples, solver, _ = run(lambda p, k: WRONG, lambda p, k: "I cannot write tests.")
     assert all(s.reward == 0.0 and s.metadata["validity"] == "no test parsed"
                for s in by_role(samples, "testgen"))
-    assert by_role(samples, "solver", 1) == [] and len(solver.prompts) == 1
+    assert by_role(samples, "solver", 1) == [] and len(solver.requests) == 2
 
 
 def test_retry_can_be_disabled_and_all_pass_reward():
-    samples, solver, _ = run(lambda p, i: WRONG, lambda p, i: GOOD_TESTS, retry=False,
+    samples, solver, _ = run(lambda p, k: WRONG, lambda p, k: GOOD_TESTS, retry=False,
                              solver_reward="all_pass")
-    assert by_role(samples, "solver", 1) == [] and len(solver.prompts) == 1
+    assert by_role(samples, "solver", 1) == [] and len(solver.requests) == 2
     assert all(s.reward == 0.0 for s in by_role(samples, "solver"))
 
 
@@ -197,11 +202,66 @@ def test_configuration_errors_name_the_field():
     with pytest.raises(ValueError, match="retry_prompt"):
         CodeSolverTestGen(retry_prompt="{problem} {input}")
     wf = CodeSolverTestGen(roles=ROLES, limits=LIMITS)
-    engines = {"pol-s": ScriptedEngine(lambda p, i: RIGHT, 0),
-               "pol-t": ScriptedEngine(lambda p, i: GOOD_TESTS, 0)}
+    engines = {"pol-s": ScriptedEngine(lambda p, k: RIGHT, 0),
+               "pol-t": ScriptedEngine(lambda p, k: GOOD_TESTS, 0)}
     with pytest.raises(KeyError, match="roles.testgen"):
-        wf.run([make_task(1)], {"pol-s": engines["pol-s"]})
+        asyncio.run(wf.run(make_task(1), {"pol-s": engines["pol-s"]}))
     task = make_task(1)
     del task.metadata["hidden_tests"]
     with pytest.raises(TypeError, match="hidden_tests"):
-        wf.run([task], engines)
+        asyncio.run(wf.run(task, engines))
+
+
+MINUS = WRONG  # the a - b program: wrong for "a+b", right for "a-b"
+
+
+def _solver_for_both(prompt, k):
+    """a+b first; for a retry, the program the failing cases ask for (a - b when the problem
+    is a-b): right first time on the a+b task, fixed on retry on the a-b task."""
+    if "failed these tests" in prompt:
+        return MINUS if "print a-b" in prompt else RIGHT
+    return RIGHT
+
+
+def _tests_for(prompt, k):
+    return GOOD_TESTS if "print a+b" in prompt else "input: 1 2 ||| output: -1\n"
+
+
+def _fields(s):
+    return (s.task_id, s.model_id, s.role, s.sample_index, s.group_index, s.reward,
+            s.token_ids.tolist(), s.metadata)
+
+
+def test_concurrent_tasks_each_get_exactly_their_own_samples():
+    tasks = [make_task(2, "plus", "+"), make_task(2, "minus", "-"), make_task(1, "plus2", "+")]
+
+    def engines():
+        return {"pol-s": ScriptedEngine(_solver_for_both, 3),
+                "pol-t": ScriptedEngine(_tests_for, 7)}
+
+    alone = {t.task_id: asyncio.run(make_wf().run(t, engines())) for t in tasks}
+    together = run_tasks(make_wf(), tasks, engines())
+    for t in tasks:
+        assert all(s.task_id == t.task_id for s in together[t.task_id])
+        assert [_fields(s) for s in together[t.task_id]] == [_fields(s) for s in alone[t.task_id]]
+    plus, minus = together["plus"], together["minus"]
+    assert [s.reward for s in by_role(plus, "solver")] == [1.0, 1.0]  # right, no retry
+    # minus: a+b fails its hidden tests and its generated case, the retry (a - b) passes them
+    assert [s.reward for s in by_role(minus, "solver", 0)] == [0.0, 0.0]
+    assert [s.reward for s in by_role(minus, "solver", 1)] == [1.0, 1.0]
+    assert all(s.metadata["valid"] == 1 for s in by_role(minus, "testgen"))
+
+
+def test_sandbox_runs_off_the_event_loop_on_the_shared_pool(monkeypatch):
+    threads, real = [], code_testgen.run_program
+
+    def recording(code, stdin="", **limits):
+        threads.append(threading.current_thread().name)
+        return real(code, stdin, **limits)
+
+    monkeypatch.setattr(code_testgen, "run_program", recording)
+    wf = make_wf()
+    engines = {"pol-s": ScriptedEngine(_solver_for_both, 3), "pol-t": ScriptedEngine(_tests_for, 7)}
+    run_tasks(wf, [make_task(2, "plus", "+"), make_task(2, "minus", "-")], engines)
+    assert threads and all(name.startswith("code-sandbox") for name in threads)
+    assert len(set(threads)) <= 2  # one pool of sandbox_workers=2 threads for every task

@@ -19,8 +19,8 @@ def test_batched_greedy_equals_per_request_greedy(tiny_model_dir):
     exact = HFEngine(str(tiny_model_dir), seed=0)
     batched = HFEngine(str(tiny_model_dir), seed=0, batch_size=3)
     spec = SamplingSpec(temperature=0.0, max_tokens=12)
-    want = exact.generate(PROMPTS, spec)
-    got = batched.generate(PROMPTS, spec)  # a batch of 3 then a batch of 1
+    want = exact.generate_batch(PROMPTS, spec)
+    got = batched.generate_batch(PROMPTS, spec)  # batches of at most 3
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     for g, w in zip(got, want):
@@ -31,8 +31,8 @@ def test_batched_greedy_equals_per_request_greedy(tiny_model_dir):
 def test_batched_sampling_respects_budget_stops_and_seed(tiny_model_dir):
     engine = HFEngine(str(tiny_model_dir), seed=0, batch_size=4, max_model_len=16)
     spec = SamplingSpec(temperature=1.0, max_tokens=12, seed=3)
-    first = engine.generate(PROMPTS, spec)
-    again = engine.generate(PROMPTS, spec)
+    first = engine.generate_batch(PROMPTS, spec)
+    again = engine.generate_batch(PROMPTS, spec)
     assert [c.token_ids for c in first] == [c.token_ids for c in again]  # seeded per batch
     for prompt, c in zip(PROMPTS, first):
         assert 1 <= len(c.token_ids) <= min(12, 16 - len(prompt))  # max_model_len clamps

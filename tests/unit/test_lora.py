@@ -255,23 +255,6 @@ def test_adapter_config_checks_name_the_field():
         adapter_peft_config({"type": "lora", "peft_config": {"lora_alpha": 8}})
 
 
-def test_serialized_engine_exposes_update_adapter_only_when_the_engine_has_it():
-    from astralight.raas.engine import SerializedEngine
-
-    class Plain:
-        version = 0
-
-    class WithAdapters(Plain):
-        def update_adapter(self, named_tensors, version, adapter):
-            self.version = version
-            self.got = (sorted(named_tensors), adapter)
-
-    assert not hasattr(SerializedEngine(Plain()), "update_adapter")
-    inner = WithAdapters()
-    SerializedEngine(inner).update_adapter({"b": 1, "a": 2}, 3, {"r": 4})
-    assert inner.version == 3 and inner.got == (["a", "b"], {"r": 4})
-
-
 # ---------------------------------------------------------------------- the policy (RLPolicy)
 
 
@@ -442,7 +425,6 @@ class _Engine:
 
 
 def test_weight_sync_hands_adapter_versions_to_the_adapter_path():
-    from astralight.raas.engine import SerializedEngine
     from astralight.raas.weight_sync import WeightSync
 
     model = _wrapped(LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -450,7 +432,7 @@ def test_weight_sync_hands_adapter_versions_to_the_adapter_path():
                         "peft_config": adapter_config(model)}}
     store, builder = _Store(), ArtifactBuilder("policy")
     engine = _Engine()
-    sync = WeightSync(lambda: store, "policy", SerializedEngine(engine), background=False,
+    sync = WeightSync(lambda: store, "policy", engine, background=False,
                       check_interval_s=0.0)
     snaps = []
     for version in (1, 2, 3):

@@ -53,7 +53,7 @@ def test_bench_modes_differ_only_in_the_dataflow_mode(tmp_path, mode):
     assert all(t["data"]["init_args"]["batch_size"] == 64 for t in merged["trainers"])
     assert all(t["trainer"]["max_steps"] == 6 for t in merged["trainers"])
     raas = merged["raas"][0]
-    assert raas["concurrent_cycles"] == raas["max_concurrency"]
+    assert "concurrent_cycles" not in raas  # every task is its own episode
     wf = _raas_workflow(raas)
     assert isinstance(wf, LongTailLatency) and isinstance(wf.inner, SolverVerifier)
     assert wf.name == "solver_verifier"

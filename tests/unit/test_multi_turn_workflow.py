@@ -1,5 +1,6 @@
 """MultiTurnWorkflow: loss masks cover exactly the action tokens; episodes end at done or
-max_turns; rewards recorded; versions per token; one generate call per turn.
+max_turns; rewards recorded; versions per token; episodes advance independently (a slow
+environment step never holds another episode).
 
 A scripted engine (char tokenizer, actions served in order per episode) forces each branch; one
 test runs the real tiny model through HFEngine.
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import SamplingSpec
 from astralight.tinymodel import build_tokenizer
 from astralight.workflows.multi_turn import ArithmeticHintEnv, Environment, MultiTurnWorkflow
+from tests.unit.engine_fakes import TurnScriptEngine, run_tasks
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -24,28 +26,8 @@ def ids(text):
     return TOK(text, add_special_tokens=False)["input_ids"]
 
 
-class ScriptedEngine:
-    """Each prompt's next action comes from ``script[first_observation]`` by turn; the engine's
-    version goes up by one after every generate call (as if weights were refreshed between turns)."""
-
-    def __init__(self, script: dict[str, list[str]], version: int = 3, max_model_len: int = 64):
-        self.script, self.version, self.tokenizer = script, version, TOK
-        self.max_model_len = max_model_len
-        self.calls: list[int] = []
-
-    def generate(self, prompts, params):
-        self.calls.append(len(prompts))
-        out = []
-        for p in prompts:
-            text = TOK.decode(p)
-            first = text.split("?")[0]
-            first = first[: first.index("=") + 1] if "=" in first else first
-            turn = TOK.decode(p).count("?")
-            action = self.script[first][turn]
-            toks = ids(action) + [EOS]
-            out.append(Completion(toks, [-0.25] * len(toks), "stop"))
-        self.version += 1
-        return out
+def ScriptedEngine(script, version=3, max_model_len=64):
+    return TurnScriptEngine(TOK, script, version=version, max_model_len=max_model_len)
 
 
 def _task(task_id, prompt, answer, n=1, kind="train"):
@@ -58,10 +40,10 @@ def test_masks_cover_exactly_the_actions_and_episodes_end_right():
                              "9+9=": ["18"],                   # solved on turn 1
                              "4+4=": ["1", "2", "3", "4"]})    # never solved: max_turns
     wf = MultiTurnWorkflow(ENV, max_turns=3, sampling=SamplingSpec(temperature=1.0, max_tokens=4))
-    out = wf.run([_task("a", "1+2=", "3"), _task("b", "9+9=", "18"), _task("c", "4+4=", "8")],
-                 {"policy": engine})
-    # one call per turn for every live episode: 3, then 2 (b is done), then 2
-    assert engine.calls == [3, 2, 2]
+    out = run_tasks(wf, [_task("a", "1+2=", "3"), _task("b", "9+9=", "18"),
+                         _task("c", "4+4=", "8")], {"policy": engine})
+    # one request per turn of every episode: a 3, b 1, c 3
+    assert sum(engine.calls) == 7
     a, b, c = out["a"][0], out["b"][0], out["c"][0]
     # a: "1+2=" 5<eos> "?down;1+2=" 4<eos> "?down;1+2=" 3<eos> (5 and 4 are too large)
     expected = (ids("1+2=") + ids("5") + [EOS] + ids("?down;1+2=") + ids("4") + [EOS]
@@ -73,7 +55,7 @@ def test_masks_cover_exactly_the_actions_and_episodes_end_right():
     assert a.prompt_len == p
     m = np.asarray(mask, bool)
     assert np.all(a.logprobs[m] == -0.25) and np.all(a.logprobs[~m] == 0)
-    # versions per token: each turn's actions carry the version of the call that made them
+    # versions per token: each action carries the version that sampled it
     assert a.versions.tolist() == ([-1] * p + [3, 3] + [-1] * obs + [4, 4] + [-1] * obs + [5, 5])
     assert a.reward == 1.0 and a.metadata["end"] == "done" and a.metadata["turns"] == 3
     assert a.metadata["step_rewards"] == [0.0, 0.0, 1.0] and a.metadata["actions"] == ["5", "4", "3"]
@@ -91,7 +73,7 @@ def test_masks_cover_exactly_the_actions_and_episodes_end_right():
 def test_context_full_ends_the_episode_and_n_episodes_per_task():
     engine = ScriptedEngine({"1+2=": ["5", "5", "5", "5"]}, max_model_len=20)
     wf = MultiTurnWorkflow(ENV, max_turns=4)
-    out = wf.run([_task("a", "1+2=", "3", n=2)], {"policy": engine})
+    out = run_tasks(wf, [_task("a", "1+2=", "3", n=2)], {"policy": engine})
     assert [s.sample_index for s in out["a"]] == [0, 1]
     assert [s.group_index for s in out["a"]] == [0, 1]
     for s in out["a"]:
@@ -112,20 +94,13 @@ def test_eval_sampling_and_custom_environment():
             self.k += 1
             return "?x", 0.5, self.k == 3
 
-    seen = []
-
-    class Rec(ScriptedEngine):
-        def generate(self, prompts, params):
-            seen.append(params.temperature)
-            return super().generate(prompts, params)
-
-    engine = Rec({"1+2=": ["1", "2", "3", "4"]})
+    engine = ScriptedEngine({"1+2=": ["1", "2", "3", "4"]})
     wf = MultiTurnWorkflow(CountDown, max_turns=5, sampling=SamplingSpec(temperature=0.9),
                            eval_sampling=SamplingSpec(temperature=0.3), role="actor")
-    out = wf.run([_task("e", "1+2=", "3", kind="eval")], {"policy": engine})
+    out = run_tasks(wf, [_task("e", "1+2=", "3", kind="eval")], {"policy": engine})
     s = out["e"][0]
     assert s.reward == pytest.approx(1.5) and s.metadata["end"] == "done" and s.role == "actor"
-    assert seen == [0.3, 0.3, 0.3] and s.metadata["temperature"] == 0.3
+    assert engine.temperatures == [0.3, 0.3, 0.3] and s.metadata["temperature"] == 0.3
 
 
 def test_bad_configuration_errors():
@@ -135,7 +110,7 @@ def test_bad_configuration_errors():
         MultiTurnWorkflow(ENV, max_turns=0)
     wf = MultiTurnWorkflow(ENV)
     with pytest.raises(KeyError, match="policy"):
-        wf.run([_task("a", "1+2=", "3")], {})
+        run_tasks(wf, [_task("a", "1+2=", "3")], {})
     with pytest.raises(KeyError, match="answer"):
         ArithmeticHintEnv().reset(Task(task_id="x", prompt="1+1=", n=1, model_ids=["p"]))
 
@@ -145,7 +120,7 @@ def test_real_tiny_model(tiny_model_dir):
 
     engine = HFEngine(str(tiny_model_dir), seed=0, version=6)
     wf = MultiTurnWorkflow(ENV, max_turns=3, sampling=SamplingSpec(temperature=1.0, max_tokens=3))
-    out = wf.run([_task("a", "37+45=", "82", n=2)], {"policy": engine})
+    out = run_tasks(wf, [_task("a", "37+45=", "82", n=2)], {"policy": engine})
     for s in out["a"]:
         m = s.loss_mask.astype(bool)
         assert s.token_ids[:s.prompt_len].tolist() == ids("37+45=")
@@ -156,3 +131,33 @@ def test_real_tiny_model(tiny_model_dir):
         runs = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(int)])) == 1)
         assert len(runs) == s.metadata["turns"]
         assert s.loss_mask[-1] == 1
+
+
+def test_episodes_advance_independently_of_a_blocked_environment_step():
+    """A fast episode plays all its turns while another episode's environment step is blocked
+    (on an executor thread): nothing advances in lock step, and the loop is never blocked."""
+    import asyncio
+    import threading
+
+    gate = threading.Event()
+
+    class Gated(ArithmeticHintEnv):
+        def step(self, action):
+            if self.problem == "9+9=":  # the slow episode: its first step waits for the gate
+                assert gate.wait(30), "the gate was never opened"
+            return super().step(action)
+
+    engine = ScriptedEngine({"1+2=": ["5", "4", "3"], "9+9=": ["18"]})
+    wf = MultiTurnWorkflow(Gated, max_turns=3)
+
+    async def main():
+        slow = asyncio.create_task(wf.run(_task("slow", "9+9=", "18"), {"policy": engine}))
+        fast = await wf.run(_task("fast", "1+2=", "3"), {"policy": engine})
+        slow_was_done = slow.done()
+        gate.set()
+        return fast, slow_was_done, await slow
+
+    fast, slow_was_done, slow = asyncio.run(main())
+    assert fast[0].metadata["turns"] == 3 and fast[0].metadata["end"] == "done"
+    assert not slow_was_done  # the fast episode finished while the slow step was blocked
+    assert slow[0].metadata["turns"] == 1 and slow[0].reward == 1.0

@@ -1,10 +1,12 @@
-"""RaaSService's lease cycle against an in-memory dataflow (the HTTP path is covered by
-tests/integration/test_raas_service.py and test_raas_membership.py): pushes, counters, eval and
-sync-round catch-up, re-registration; membership: in-flight tracking, drain (signal and the
-dataflow's request), hard stop, returned tasks, rejoin after a 404, dropped pushes."""
+"""RaaSService's episode runner against an in-memory dataflow (the HTTP path is covered by
+tests/integration/test_raas_service.py and test_raas_membership.py): continuous leasing, every
+task its own episode, batched pushes, counters, eval and sync-round catch-up, re-registration;
+membership: in-flight tracking, drain (signal and the dataflow's request), hard stop that
+cancels episodes, returned tasks, rejoin after a 404, dropped pushes."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 import time
@@ -13,14 +15,14 @@ import pytest
 
 from astralight.protocol import Task
 from astralight.raas.config import RaaSConfig
-from astralight.raas.engine import SamplingSpec, SerializedEngine
+from astralight.raas.engine import SamplingSpec
 from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer
 from astralight.weights.artifacts import ArtifactBuilder
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.unit.test_raas_weight_sync import FakeStore, _states
-from tests.unit.test_single_turn_workflow import ScriptedEngine
+from tests.unit.engine_fakes import ScriptedEngine
 
 
 class NotFound(Exception):
@@ -48,6 +50,8 @@ class FakeDataflow(FakeStore):
         self.heartbeats = []  # in_flight of each heartbeat
         self.drain_requested = False
         self.unknown_tasks = set()  # pushes of these answer 404 task_id (a fresh state)
+        self.push_log = []  # every task id pushed, in order
+        self.on_push = None  # called after every push, accepted or not (tests hook stops here)
 
     def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0):
         self.registrations += 1
@@ -68,11 +72,16 @@ class FakeDataflow(FakeStore):
         return out
 
     def push(self, instance_id, task_id, samples):
-        if task_id in self.unknown_tasks:
-            raise NotFound(f"unknown task {task_id!r}", "task_id")
-        dup = task_id in self.pushed
-        self.pushed.setdefault(task_id, samples)
-        return {"accepted": 0 if dup else len(samples), "duplicate": dup}
+        self.push_log.append(task_id)
+        try:
+            if task_id in self.unknown_tasks:
+                raise NotFound(f"unknown task {task_id!r}", "task_id")
+            dup = task_id in self.pushed
+            self.pushed.setdefault(task_id, samples)
+            return {"accepted": 0 if dup else len(samples), "duplicate": dup}
+        finally:
+            if self.on_push is not None:
+                self.on_push(task_id)
 
     def return_tasks(self, instance_id, task_ids, failed=False):
         self.returned += [(t, failed) for t in task_ids]
@@ -171,25 +180,17 @@ def test_tasks_of_another_workflow_are_not_run_but_returned():
     assert svc.in_flight_count() == 0
 
 
-def test_stop_request_ends_serve_after_the_cycle():
-    flow = FakeDataflow([_task(i) for i in range(100)])
-    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["1"]))
-    svc.start()
-    try:
-        original = svc.run_cycle
+def _once(when, action):
+    """A push hook that runs ``action()`` the first time ``when()`` holds (a second stop
+    request would be a hard stop)."""
+    done = []
 
-        def cycle_then_stop():
-            n = original()
-            svc.request_stop()
-            return n
+    def hook(task_id):
+        if not done and when():
+            done.append(task_id)
+            action()
 
-        svc.run_cycle = cycle_then_stop
-        assert svc.serve() == 0
-    finally:
-        svc.close()
-    assert len(flow.pushed) == 2  # one cycle of max_concurrency tasks, fully pushed
-    assert "raas stopping" in out.getvalue()
-    assert flow.deregistered == [svc.instance_id] and flow.returned == []
+    return hook
 
 
 class Refused(Exception):
@@ -200,9 +201,25 @@ class Unreachable(Exception):
     status = None
 
 
-def test_concurrent_pushes_count_refusals_and_raise_when_unreachable():
-    import threading
+def test_a_stop_request_lets_the_episodes_in_flight_finish_and_push():
+    flow = FakeDataflow([_task(i) for i in range(100)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["1"]))
+    svc.start()
+    flow.on_push = _once(lambda: True, svc.request_stop)  # SIGTERM after the first push
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    # every episode in flight finished and pushed; a lease on the wire when the drain began
+    # was returned unstarted; nothing else was leased
+    pushed, returned = set(flow.pushed), {t for t, failed in flow.returned if not failed}
+    assert pushed | returned == set(flow.leased) and not pushed & returned
+    assert len(returned) == len(flow.returned) and len(flow.leased) < 100  # it stopped early
+    assert "raas stopping" in out.getvalue() and len(pushed) >= 1
+    assert flow.deregistered == [svc.instance_id] and svc.in_flight_count() == 0
 
+
+def test_refused_and_unreachable_pushes_are_counted_and_the_rest_delivered():
     class Flaky(FakeDataflow):
         def __init__(self, tasks):
             super().__init__(tasks)
@@ -221,84 +238,266 @@ def test_concurrent_pushes_count_refusals_and_raise_when_unreachable():
     svc.config.max_concurrency = 4
     svc.start()
     try:
-        with pytest.raises(Unreachable):
-            svc.run_cycle()
+        assert svc.run_cycle() == 2
     finally:
         svc.close()
-    assert sorted(flow.pushed) == ["t0", "t3"]  # every push was tried before raising
+    assert sorted(flow.pushed) == ["t0", "t3"]  # every push was tried
     c = svc.counters
-    assert (c.tasks_done, c.push_errors, c.samples_pushed) == (2, 2, 6)
+    assert (c.tasks_done, c.push_errors, c.samples_pushed, c.dataflow_errors) == (2, 2, 6, 1)
     assert all(name.startswith("raas-push") for name in flow.threads)
+    assert svc.in_flight_count() == 0
 
 
-class SlowWorkflow(SingleTurnWorkflow):
-    """Single turn plus a 'tool call' that keeps the cycle busy; records cycles in flight."""
+class BatchingDataflow(FakeDataflow):
+    """A dataflow with ``push_many``: records how many tasks each push request carried."""
 
-    def __init__(self):
-        super().__init__(ExactMatchReward(), sampling=SamplingSpec(temperature=0.8, max_tokens=4))
-        self.lock = threading.Lock()
-        self.in_flight = self.max_in_flight = 0
-
-    def run(self, tasks, engines):
-        with self.lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            out = super().run(tasks, engines)
-            time.sleep(0.05)
-            return out
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-
-
-class LockedFakeDataflow(FakeDataflow):
     def __init__(self, tasks=()):
         super().__init__(tasks)
         self.lock = threading.Lock()
+        self.batches = []
 
     def lease(self, instance_id, max_tasks):
         with self.lock:
             return super().lease(instance_id, max_tasks)
 
-    def push(self, instance_id, task_id, samples):
+    def push_many(self, instance_id, items):
         with self.lock:
-            return super().push(instance_id, task_id, samples)
+            self.batches.append(len(items))
+            out = []
+            for task_id, samples in items:
+                try:
+                    out.append(FakeDataflow.push(self, instance_id, task_id, samples))
+                except Exception as exc:  # noqa: BLE001 - per-item outcome
+                    out.append(exc)
+            return out
+
+    def return_tasks(self, instance_id, task_ids, failed=False):
+        with self.lock:
+            return super().return_tasks(instance_id, task_ids, failed)
 
 
-def test_concurrent_cycles_overlap_share_engines_and_push_every_task_once():
-    flow = LockedFakeDataflow([_task(i) for i in range(24)])
+class SlowWorkflow(SingleTurnWorkflow):
+    """Single turn plus an awaited 'tool call'; records how many episodes were in flight."""
+
+    def __init__(self, pause_s=0.05):
+        super().__init__(ExactMatchReward(), sampling=SamplingSpec(temperature=0.8, max_tokens=4))
+        self.in_flight = self.max_in_flight = 0
+        self.pause_s = pause_s
+
+    async def run(self, task, engines):
+        self.in_flight += 1  # (the event loop's thread only)
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            out = await super().run(task, engines)
+            await asyncio.sleep(self.pause_s)
+            return out
+        finally:
+            self.in_flight -= 1
+
+
+def _runner_service(flow, wf, engine, **overrides):
+    cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
+                     model_ids=["policy"], poll_interval_s=0.01, progress_interval_s=1e9,
+                     weight_check_interval_s=3600.0, **overrides)
+    return RaaSService(cfg, client_factory=lambda: flow, engines={"policy": engine},
+                       out=io.StringIO())
+
+
+def test_episodes_run_concurrently_up_to_max_concurrency_and_pushes_are_batched():
+    flow = BatchingDataflow([_task(i) for i in range(40)])
     engine = ScriptedEngine(build_tokenizer(), ["82", "81"], version=3)
     wf = SlowWorkflow()
-    cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
-                     model_ids=["policy"], max_concurrency=8, concurrent_cycles=4,
-                     poll_interval_s=0.01, progress_interval_s=1e9, weight_check_interval_s=3600.0)
-    svc = RaaSService(cfg, client_factory=lambda: flow, engines={"policy": engine}, out=io.StringIO())
+    svc = _runner_service(flow, wf, engine, max_concurrency=8, push_concurrency=2)
     svc.start()
-    assert isinstance(svc.engines["policy"], SerializedEngine)
-    stopper = threading.Thread(target=lambda: (time.sleep(0.1), [time.sleep(0.05) for _ in
-                                                                 range(200) if flow.tasks],
-                                               svc.request_stop()))
-    stopper.start()
+    flow.on_push = _once(lambda: len(flow.pushed) == 40, svc.request_stop)
     try:
         assert svc.serve() == 0
     finally:
-        stopper.join()
         svc.close()
-    assert sorted(flow.pushed) == sorted(f"t{i}" for i in range(24))
-    assert wf.max_in_flight >= 2  # cycles really overlapped
+    assert sorted(flow.pushed) == sorted(f"t{i}" for i in range(40))
+    assert len(flow.push_log) == 40  # every task pushed exactly once
+    assert 2 <= wf.max_in_flight <= 8 and svc.counters.peak_in_flight <= 8
+    assert sum(flow.batches) == 40 and max(flow.batches) > 1  # several tasks per push request
+    assert svc.counters.push_requests == len(flow.batches)
     assert all((s.versions[s.prompt_len:] == 3).all() for v in flow.pushed.values() for s in v)
+    assert engine.requests == 120  # 3 completions per task, each its own request
 
 
-def test_serialized_engine_stamps_the_version_of_each_generate_call():
-    engine = SerializedEngine(ScriptedEngine(build_tokenizer(), ["82"], version=1))
-    ids = [[5, 6]]
-    first = engine.generate(ids, SamplingSpec(max_tokens=4))
-    engine.update_weights({}, 2)
-    second = engine.generate(ids, SamplingSpec(max_tokens=4))
-    assert (first[0].version, second[0].version, engine.version) == (1, 2, 2)
-    engine.version = 5  # the weight sync moves a bit-identical version
-    assert engine.inner.version == 5
+def test_a_freed_slot_is_leased_again_without_waiting_for_the_other_episodes():
+    """A long episode does not hold the short ones: while it runs, later tasks are leased,
+    run and pushed (no lease cycle waits for its slowest task)."""
+    gate = threading.Event()
+
+    class OneSlow(SingleTurnWorkflow):
+        async def run(self, task, engines):
+            if task.task_id == "t0":
+                await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
+            return await super().run(task, engines)
+
+    flow = BatchingDataflow([_task(i) for i in range(12)])
+    wf = OneSlow(ExactMatchReward(), sampling=SamplingSpec(max_tokens=4))
+    svc = _runner_service(flow, wf, ScriptedEngine(build_tokenizer(), ["82"]), max_concurrency=3)
+    svc.start()
+
+    def on_push(task_id):
+        if len(flow.pushed) == 11:  # everything but the slow one: now let it finish
+            gate.set()
+        if len(flow.pushed) == 12:
+            svc.request_stop()  # (once: the twelfth push is the last)
+
+    flow.on_push = on_push
+    try:
+        assert svc.serve() == 0
+    finally:
+        gate.set()
+        svc.close()
+    assert flow.push_log[-1] == "t0" and len(flow.push_log) == 12
+
+
+def test_a_weight_version_lands_between_batches_while_episodes_run():
+    engine = ScriptedEngine(build_tokenizer(), ["82"], version=1)
+    first = engine.generate_batch([[5, 6]], SamplingSpec(max_tokens=4))
+    engine.update_weights({"w": None}, 2)
+    second = engine.generate_batch([[5, 6]], SamplingSpec(max_tokens=4))
+    assert (first[0].versions, second[0].versions) == ([1, 1, 1], [2, 2, 2])
+    assert engine.updates == [(["w"], 2)] and engine.version == 2
+    engine.close()
+
+
+def test_a_drain_asked_through_the_heartbeat_finishes_and_deregisters():
+    flow = FakeDataflow([_task(i) for i in range(60)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+
+    def drain_asked(task_id):
+        flow.on_push = None
+        flow.drain_requested = True  # the drain route was called
+        svc.heartbeat_once()
+        svc.heartbeat_once()  # the next heartbeat repeats it: still one drain, no hard stop
+
+    flow.on_push = drain_asked
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    assert svc.draining and "the dataflow's drain route" in out.getvalue()
+    pushed, returned = set(flow.pushed), {t for t, failed in flow.returned if not failed}
+    assert pushed | returned == set(flow.leased) and not pushed & returned
+    assert len(flow.leased) < 60 and svc.in_flight_count() == 0
+    assert flow.deregistered == [svc.instance_id]
+    assert "raas left the pool" in out.getvalue() and "hard stop" not in out.getvalue()
+
+
+def test_drain_under_load_accounts_for_every_lease():
+    flow = BatchingDataflow([_task(i) for i in range(200)])
+    wf = SlowWorkflow()
+    svc = _runner_service(flow, wf, ScriptedEngine(build_tokenizer(), ["82"]),
+                          max_concurrency=8, push_concurrency=4)
+    svc.start()
+    flow.on_push = _once(lambda: len(flow.pushed) >= 10, svc.request_stop)
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    pushed, returned = set(flow.pushed), {t for t, _ in flow.returned}
+    assert set(flow.leased) == pushed | returned and not pushed & returned
+    assert len(flow.leased) == len(set(flow.leased)) and len(flow.tasks) > 0  # it stopped early
+    assert svc.in_flight_count() == 0 and flow.deregistered == [svc.instance_id]
+    assert wf.max_in_flight >= 2
+
+
+def test_a_workflow_exception_returns_its_task_as_failed():
+    class Broken(SingleTurnWorkflow):
+        async def run(self, task, engines):
+            if task.task_id == "t0":
+                raise RuntimeError("tool sandbox died")
+            return await super().run(task, engines)
+
+    flow = FakeDataflow([_task(0), _task(1)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.config.workflow = Broken(ExactMatchReward())
+    svc.runner = type(svc.runner)(svc)
+    svc.start()
+    try:
+        assert svc.run_cycle() == 1
+    finally:
+        svc.close()
+    assert flow.returned == [("t0", True)] and list(flow.pushed) == ["t1"]
+    assert svc.counters.workflow_errors == 1 and svc.in_flight_count() == 0
+
+
+def test_a_synchronous_workflow_runs_through_the_adapter():
+    class OldStyle:
+        """The synchronous contract: run(tasks, engines) -> {task_id: samples}."""
+
+        name = "single_turn"
+
+        def __init__(self):
+            self.inner = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(max_tokens=4))
+            self.threads = set()
+
+        def run(self, tasks, engines):
+            self.threads.add(threading.current_thread().name)
+            comps = engines["policy"].generate([[5, 6]], SamplingSpec(max_tokens=4))
+            assert len(comps) == 1  # a blocking view of the async engine
+            return asyncio.run(_all(self.inner, tasks, engines))
+
+    async def _all(wf, tasks, engines):
+        return {t.task_id: await wf.run(t, {k: e.inner for k, e in engines.items()})
+                for t in tasks}
+
+    flow = FakeDataflow([_task(0), _task(1)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    old = OldStyle()
+    svc.config.workflow = old
+    svc.runner = type(svc.runner)(svc)
+    svc.start()
+    try:
+        assert svc.run_cycle() == 2
+    finally:
+        svc.close()
+    assert sorted(flow.pushed) == ["t0", "t1"]
+    assert all(s.reward == 1.0 for v in flow.pushed.values() for s in v)
+    assert all(name.startswith("raas-exec") for name in old.threads)  # off the event loop
+
+
+def test_a_task_whose_version_cannot_be_loaded_is_returned_unfailed():
+    flow = FakeDataflow([_task(0), _task(1)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+
+    async def no_weights(task):
+        raise OSError("weight download failed")
+
+    svc.runner._catch_up = no_weights
+    try:
+        assert svc.run_cycle() == 0
+    finally:
+        svc.close()
+    assert sorted(flow.returned) == [("t0", False), ("t1", False)]
+    assert svc.in_flight_count() == 0 and svc.counters.workflow_errors == 0
+
+
+def test_a_hard_stop_cancels_episodes_waiting_on_the_engine():
+    flow = FakeDataflow([_task(i) for i in range(2)])
+    engine = ScriptedEngine(build_tokenizer(), ["82"], delay_s=0.5)
+    svc, out = _service(flow, engine)
+    exits = []
+    svc._exit = exits.append
+    svc.start()
+    codes = []
+    server = threading.Thread(target=lambda: codes.append(svc.serve()))
+    server.start()
+    try:
+        _wait(lambda: svc.in_flight_count() == 2, "episodes in flight")
+        svc.hard_stop("test")
+        server.join(timeout=30)
+        assert not server.is_alive()
+    finally:
+        svc.close()
+    assert codes == exits == [130] and flow.pushed == {}
+    assert sorted(t for t, _ in flow.returned) == ["t0", "t1"]
+    assert svc.counters.episodes_cancelled == 2
 
 
 # ---------------------------------------------------------------------- membership
@@ -328,30 +527,6 @@ def test_register_sends_capacity_units_and_heartbeat_reports_in_flight():
         svc.close()
 
 
-def test_a_drain_asked_through_the_heartbeat_finishes_and_deregisters():
-    flow = FakeDataflow([_task(i) for i in range(6)])
-    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
-    svc.start()
-    original = svc.run_cycle
-
-    def cycle_then_heartbeat():
-        n = original()
-        flow.drain_requested = True  # the drain route was called
-        svc.heartbeat_once()
-        svc.heartbeat_once()  # the next heartbeat repeats it: still one drain, no hard stop
-        return n
-
-    svc.run_cycle = cycle_then_heartbeat
-    try:
-        assert svc.serve() == 0
-    finally:
-        svc.close()
-    assert svc.draining and "the dataflow's drain route" in out.getvalue()
-    assert sorted(flow.pushed) == ["t0", "t1"] and flow.returned == []
-    assert flow.deregistered == [svc.instance_id] and svc.in_flight_count() == 0
-    assert "raas left the pool" in out.getvalue() and "hard stop" not in out.getvalue()
-
-
 def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
     class DrainDuringLease(FakeDataflow):
         def lease(self, instance_id, max_tasks):
@@ -369,40 +544,6 @@ def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
     assert flow.pushed == {}  # nothing was generated after the drain began
     assert flow.returned == [("t0", False), ("t1", False)]
     assert flow.deregistered == [svc.instance_id] and svc.counters.tasks_returned == 2
-
-
-def test_drain_under_concurrent_cycles_and_the_push_pool_accounts_for_every_lease():
-    flow = LockedFakeDataflow([_task(i) for i in range(200)])
-    flow.return_tasks = _locked(flow, flow.return_tasks)
-    wf = SlowWorkflow()
-    cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
-                     model_ids=["policy"], max_concurrency=8, concurrent_cycles=4,
-                     push_concurrency=4, poll_interval_s=0.01, progress_interval_s=1e9,
-                     weight_check_interval_s=3600.0)
-    svc = RaaSService(cfg, client_factory=lambda: flow,
-                      engines={"policy": ScriptedEngine(build_tokenizer(), ["82"])},
-                      out=io.StringIO())
-    svc.start()
-    stopper = threading.Thread(target=lambda: (_wait(lambda: len(flow.pushed) >= 10, "pushes"),
-                                               svc.request_stop()))
-    stopper.start()
-    try:
-        assert svc.serve() == 0
-    finally:
-        stopper.join()
-        svc.close()
-    pushed, returned = set(flow.pushed), {t for t, _ in flow.returned}
-    assert set(flow.leased) == pushed | returned and not pushed & returned
-    assert len(flow.leased) == len(set(flow.leased)) and len(flow.tasks) > 0  # it stopped early
-    assert svc.in_flight_count() == 0 and flow.deregistered == [svc.instance_id]
-    assert wf.max_in_flight >= 2
-
-
-def _locked(flow, fn):
-    def call(*a, **kw):
-        with flow.lock:
-            return fn(*a, **kw)
-    return call
 
 
 def test_a_second_stop_request_returns_everything_in_flight_and_exits_at_once():
@@ -469,23 +610,6 @@ def test_a_cycle_delay_holds_the_generated_tasks_in_flight_until_pushed():
     assert svc.in_flight_count() == 0 and sorted(flow.pushed) == ["t0", "t1"]
 
 
-def test_a_workflow_exception_returns_the_cycle_as_failed():
-    class Broken(SingleTurnWorkflow):
-        def run(self, tasks, engines):
-            raise RuntimeError("tool sandbox died")
-
-    flow = FakeDataflow([_task(0), _task(1)])
-    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
-    svc.config.workflow = Broken(ExactMatchReward())
-    svc.start()
-    try:
-        assert svc.run_cycle() == 0
-    finally:
-        svc.close()
-    assert flow.returned == [("t0", True), ("t1", True)]
-    assert svc.counters.workflow_errors == 1 and svc.in_flight_count() == 0
-
-
 def test_a_heartbeat_404_rejoins_under_the_same_id_and_threads_register_once():
     class Forgetful(FakeDataflow):
         forget_heartbeat = False
@@ -524,8 +648,9 @@ def test_a_heartbeat_404_rejoins_under_the_same_id_and_threads_register_once():
 def test_pushes_of_tasks_a_fresh_dataflow_forgot_are_dropped_and_the_loop_goes_on():
     flow = FakeDataflow([_task(i) for i in range(4)])
     flow.unknown_tasks = {"t0"}
-    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), max_cycles=2)
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
     svc.start()
+    flow.on_push = _once(lambda: len(flow.push_log) == 4, svc.request_stop)
     try:
         assert svc.serve() == 0
     finally:
@@ -562,7 +687,7 @@ def test_a_push_refused_for_an_unknown_instance_rejoins_and_is_pushed_again():
 
 
 @pytest.mark.parametrize("key,value", [("capacity_units", "0"), ("cycle_delay_s", "-1"),
-                                       ("drain_timeout_s", "0")])
+                                       ("drain_timeout_s", "0"), ("concurrent_cycles", "4")])
 def test_membership_config_keys_are_validated(key, value):
     from astralight.raas.config import parse_config
 
@@ -576,23 +701,6 @@ def test_membership_config_keys_parse():
     cfg = parse_config(["--engines", '{"policy": {"model_path": "m"}}', "--capacity_units", "2",
                         "--cycle_delay_s", "0.5", "--drain_timeout_s", "30"])
     assert (cfg.capacity_units, cfg.cycle_delay_s, cfg.drain_timeout_s) == (2.0, 0.5, 30.0)
-
-
-def test_a_cycle_that_fails_before_generating_returns_its_tasks():
-    flow = FakeDataflow([_task(0), _task(1)])
-    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
-    svc.start()
-
-    def no_weights(tasks):
-        raise OSError("weight download failed")
-
-    svc._catch_up = no_weights
-    try:
-        with pytest.raises(OSError):
-            svc.run_cycle()
-    finally:
-        svc.close()
-    assert flow.returned == [("t0", False), ("t1", False)] and svc.in_flight_count() == 0
 
 
 class GoneDataflow(FakeDataflow):
@@ -630,4 +738,3 @@ def test_a_drain_whose_dataflow_is_gone_becomes_a_hard_stop():
         svc.close()
     assert codes == exits == [130]
     assert "unreachable for 0.5 s during the drain" in out.getvalue()
-

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import SamplingSpec
 from astralight.rewards.toy import ExactMatchReward
 from astralight.workflows.single_turn import SingleTurnWorkflow
+from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _tasks():
 
 def test_samples_follow_the_protocol(hf_engine):
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.7, max_tokens=5))
-    out = wf.run(_tasks(), {"policy": hf_engine})
+    out = run_tasks(wf, _tasks(), {"policy": hf_engine})
     assert sorted(out) == ["e0", "t0", "t1"]
     assert [len(out[t]) for t in ("t0", "t1", "e0")] == [3, 2, 2]
     tok = hf_engine.tokenizer
@@ -71,38 +72,13 @@ def test_behaviour_logprobs_match_a_forward_pass(hf_engine):
     import torch
 
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.5, max_tokens=4))
-    s = wf.run(_tasks()[:1], {"policy": hf_engine})["t0"][0]
+    s = run_tasks(wf, _tasks()[:1], {"policy": hf_engine})["t0"][0]
     with torch.no_grad():
         logits = hf_engine.model(torch.tensor([s.token_ids.tolist()], dtype=torch.long)).logits[0]
     lp = torch.log_softmax(logits[:-1].float() / 0.5, -1)
     expected = lp.gather(-1, torch.tensor(s.token_ids[1:], dtype=torch.long)[:, None])[:, 0]
     gen = slice(s.prompt_len - 1, None)
     np.testing.assert_allclose(s.logprobs[s.prompt_len:], expected[gen].numpy(), atol=1e-4)
-
-
-class ScriptedEngine:
-    """Returns fixed completions in order, records the calls it got."""
-
-    def __init__(self, tokenizer, texts, version=7, finish="stop"):
-        self.tokenizer, self.version, self.texts, self.finish = tokenizer, version, texts, finish
-        self.calls = []
-        self.max_model_len = 128
-
-    def generate(self, prompt_token_ids, params):
-        self.calls.append((len(prompt_token_ids), params))
-        out = []
-        for i in range(len(prompt_token_ids)):
-            ids = self.tokenizer(self.texts[i % len(self.texts)], add_special_tokens=False)["input_ids"]
-            if self.finish == "stop":
-                ids = ids + [self.tokenizer.eos_token_id]
-            out.append(Completion(ids, [-0.5] * len(ids), self.finish))
-        return out
-
-    def update_weights(self, named_tensors, version):
-        self.version = version
-
-    def close(self):
-        pass
 
 
 def test_rewards_eos_and_batching_with_a_scripted_engine():
@@ -113,8 +89,8 @@ def test_rewards_eos_and_batching_with_a_scripted_engine():
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.9, max_tokens=4))
     tasks = [Task(task_id=f"t{i}", prompt="37+45=", n=2, model_ids=["policy"],
                   metadata={"answer": "82"}) for i in range(3)]
-    out = wf.run(tasks, {"policy": engine})
-    assert len(engine.calls) == 1 and engine.calls[0][0] == 6  # one batched call for the cycle
+    out = run_tasks(wf, tasks, {"policy": engine})
+    assert engine.requests == 6  # one request per completion, all in flight together
     for t in tasks:
         rewards = [s.reward for s in out[t.task_id]]
         assert rewards == [1.0, 0.0]
@@ -130,13 +106,14 @@ def test_eval_and_train_use_their_own_sampling_and_unknown_model_fails():
     engine = ScriptedEngine(build_tokenizer(), ["1"], finish="length")
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.6, max_tokens=3))
     tasks = _tasks()
-    out = wf.run(tasks, {"policy": engine})
-    temps = sorted(params.temperature for _, params in engine.calls)
+    out = run_tasks(wf, tasks, {"policy": engine})
+    temps = sorted({params.temperature for _, params in engine.calls})
     assert temps == [0.6, 1.0]
     assert out["e0"][0].metadata["finish_reason"] == "length"
     assert out["e0"][0].loss_mask[-1] == 1
     with pytest.raises(KeyError, match="no engine for 'other'"):
-        wf.run([Task(task_id="x", prompt="1+1=", n=1, model_ids=["other"])], {"policy": engine})
+        run_tasks(wf, [Task(task_id="x", prompt="1+1=", n=1, model_ids=["other"])],
+                  {"policy": engine})
 
 
 def test_two_policies_get_distinct_sample_indices_and_roles():
@@ -146,8 +123,8 @@ def test_two_policies_get_distinct_sample_indices_and_roles():
     engines = {"solver": ScriptedEngine(tok, ["2"], version=1),
                "verifier": ScriptedEngine(tok, ["2"], version=4)}
     wf = SingleTurnWorkflow(ExactMatchReward(), roles={"s": "solver", "v": "verifier"})
-    out = wf.run([Task(task_id="m", prompt="1+1=", n=2, model_ids=["solver", "verifier"],
-                       metadata={"answer": "2"})], engines)["m"]
+    out = run_tasks(wf, [Task(task_id="m", prompt="1+1=", n=2, model_ids=["solver", "verifier"],
+                              metadata={"answer": "2"})], engines)["m"]
     assert [s.sample_index for s in out] == [0, 1, 2, 3]
     assert [(s.model_id, s.role, s.group_index, int(s.versions[-1])) for s in out] == [
         ("solver", "s", 0, 1), ("solver", "s", 1, 1),

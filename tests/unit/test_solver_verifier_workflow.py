@@ -1,4 +1,5 @@
-"""SolverVerifier: flow (verdict -> retry), rewards per role, routing fields, batching, parser.
+"""SolverVerifier: flow (verdict -> retry), rewards per role, routing fields, rounds in flight,
+concurrent tasks, parser.
 
 Most tests use a scripted engine (the char tokenizer, answers looked up from the prompt text), so
 every branch (correct/wrong answer x approve/reject/invalid verdict) is forced and checked; one
@@ -7,41 +8,33 @@ test runs the real tiny model through HFEngine for the protocol layout.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import SamplingSpec
+from astralight.rewards.base import Reward
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer
 from astralight.workflows.solver_verifier import (PAPER_RETRY_PROMPT, PAPER_SOLVER_PROMPT,
                                                   PAPER_VERIFIER_PROMPT, TOY_TEMPLATES,
                                                   SolverVerifier, VerdictParser, fill_template)
+from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
 
 
-class ScriptedEngine:
+def ScriptedEngine(script, version=0, name="", log=None):
     """Answers by prompt text: ``script[prompt]`` is a list of texts served in turn (cycled)."""
+    return PromptScriptEngine(script, TOK, version=version, max_model_len=64, name=name, log=log)
 
-    def __init__(self, script: dict[str, list[str]], version: int = 0):
-        self.script, self.version, self.tokenizer = script, version, TOK
-        self.max_model_len = 64
-        self.calls: list[tuple[list[str], SamplingSpec]] = []
-        self.served: dict[str, int] = {}
 
-    def generate(self, prompts, params):
-        texts = [TOK.decode(p) for p in prompts]
-        self.calls.append((texts, params))
-        out = []
-        for t in texts:
-            k = self.served.get(t, 0)
-            self.served[t] = k + 1
-            answers = self.script[t]
-            ids = TOK(answers[k % len(answers)], add_special_tokens=False)["input_ids"] + [EOS]
-            out.append(Completion(ids, [-0.5] * len(ids), "stop"))
-        return out
+def run_one(wf, task, engines):
+    """The samples of one task, run alone in its own event loop."""
+    return asyncio.run(wf.run(task, engines))
 
 
 def _wf(**kw):
@@ -61,14 +54,19 @@ def _task(task_id="t0", prompt="37+45=", answer="82", n=4, kind="train",
 def test_flow_rewards_and_team_correct():
     # four slots: right+approve, right+reject(->retry wrong), wrong+reject(->retry right),
     # wrong+approve (no retry), and a fifth wrong + unparseable verdict (fallback: retry, reward 0)
+    log = []
     solver = ScriptedEngine({"37+45=": ["82", "82", "81", "80", "70"],
                              "37+45=82?N;37+45=": ["83"],
                              "37+45=81?N;37+45=": ["82"],
-                             "37+45=70?Q;37+45=": ["82"]}, version=5)
+                             "37+45=70?Q;37+45=": ["82"]}, version=5, name="s", log=log)
     verifier = ScriptedEngine({"37+45=82?": ["Y", "N"], "37+45=81?": ["N"], "37+45=80?": ["Y"],
-                               "37+45=70?": ["Q"]}, version=9)
-    out = _wf().run([_task(n=5)], {"solver": solver, "verifier": verifier})
-    samples = out["t0"]
+                               "37+45=70?": ["Q"]}, version=9, name="v", log=log)
+    samples = run_one(_wf(), _task(n=5), {"solver": solver, "verifier": verifier})
+    # three rounds: every first attempt submitted before any verdict, every verdict before any
+    # retry, and each round's requests all in flight at once
+    assert [name for name, _ in log] == ["s"] * 5 + ["v"] * 5 + ["s"] * 3
+    assert solver.peak == 5 and verifier.peak == 5
+    assert all(s.task_id == "t0" for s in samples)
     sol = [s for s in samples if s.role == "solver"]
     ver = [s for s in samples if s.role == "verifier"]
     assert all(s.model_id == "solver" for s in sol) and all(s.model_id == "verifier" for s in ver)
@@ -103,28 +101,88 @@ def test_flow_rewards_and_team_correct():
     assert all(isinstance(decode(encode(s)), Sample) for s in samples)
 
 
-def test_one_generate_call_per_round_and_eval_sampling():
+def _arith_engines(log=None):
+    """Scripted engines for three problems: a (wrong, rejected, fixed), b (right, approved),
+    e (right, wrongly rejected, still right on retry)."""
     solver = ScriptedEngine({"1+2=": ["4"], "3+4=": ["7"], "1+2=4?N;1+2=": ["3"],
-                             "5+5=": ["10"], "5+5=10?N;5+5=": ["10"]})
-    verifier = ScriptedEngine({"1+2=4?": ["N"], "3+4=7?": ["Y"], "5+5=10?": ["N"]})
-    tasks = [_task("a", "1+2=", "3", n=2), _task("b", "3+4=", "7", n=3),
-             _task("e", "5+5=", "10", n=2, kind="eval")]
-    out = _wf().run(tasks, {"solver": solver, "verifier": verifier})
-    assert sorted(out) == ["a", "b", "e"]
-    # solver: first attempts (train, eval), then retries (train, eval) -> 4 calls; verifier 2
-    assert [len(c[0]) for c in solver.calls] == [5, 2, 2, 2]
-    assert [c[1].temperature for c in solver.calls] == [1.0, 0.6, 1.0, 0.6]
-    assert [len(c[0]) for c in verifier.calls] == [5, 2]
-    assert [c[1].max_tokens for c in verifier.calls] == [2, 2]
-    assert all(s.metadata["temperature"] == 0.6 for s in out["e"] if s.role == "solver")
-    assert [s.metadata["team_correct"] for s in out["a"] if s.role == "verifier"] == [1, 1]
+                             "5+5=": ["10"], "5+5=10?N;5+5=": ["10"]}, name="s", log=log)
+    verifier = ScriptedEngine({"1+2=4?": ["N"], "3+4=7?": ["Y"], "5+5=10?": ["N"]}, name="v",
+                              log=log)
+    return {"solver": solver, "verifier": verifier}
+
+
+def _arith_tasks():
+    return [_task("a", "1+2=", "3", n=2), _task("b", "3+4=", "7", n=3),
+            _task("e", "5+5=", "10", n=2, kind="eval")]
+
+
+def test_eval_sampling_and_seeds_per_request():
+    seeded = dict(sampling=SamplingSpec(temperature=1.0, max_tokens=4, seed=10),
+                  verifier_sampling=SamplingSpec(temperature=1.0, max_tokens=2, seed=20))
+    engines = _arith_engines()
+    samples = run_one(_wf(**seeded), _task("a", "1+2=", "3", n=2), engines)
+    solver, verifier = engines["solver"], engines["verifier"]
+    # request i of a round gets seed + i: first attempts 10, 11; both rejected -> retries 10, 11
+    assert [(t, sp.seed) for t, sp in solver.requests] == [
+        ("1+2=", 10), ("1+2=", 11), ("1+2=4?N;1+2=", 10), ("1+2=4?N;1+2=", 11)]
+    assert [sp.seed for _, sp in verifier.requests] == [20, 21]
+    assert [s.metadata["team_correct"] for s in samples if s.role == "verifier"] == [1, 1]
+    # an eval task samples with the eval specs, for both roles
+    engines = _arith_engines()
+    samples = run_one(_wf(), _task("e", "5+5=", "10", n=2, kind="eval"), engines)
+    assert [sp.temperature for _, sp in engines["solver"].requests] == [0.6] * 4
+    assert {sp.max_tokens for _, sp in engines["verifier"].requests} == {2}
+    assert all(s.metadata["temperature"] == 0.6 for s in samples if s.role == "solver")
+
+
+def _fields(s):
+    return (s.task_id, s.model_id, s.role, s.sample_index, s.group_index, s.reward,
+            s.token_ids.tolist(), s.loss_mask.tolist(), s.versions.tolist(), s.metadata)
+
+
+def test_concurrent_tasks_each_get_exactly_their_own_samples():
+    tasks = _arith_tasks()
+    alone = {t.task_id: run_one(_wf(), t, _arith_engines()) for t in tasks}
+    log = []
+    engines = _arith_engines(log)
+    together = run_tasks(_wf(), tasks, engines)
+    assert sorted(together) == ["a", "b", "e"]
+    for t in tasks:
+        assert all(s.task_id == t.task_id for s in together[t.task_id])
+        assert [_fields(s) for s in together[t.task_id]] == [_fields(s) for s in alone[t.task_id]]
+    # every task's first attempts were in flight at once (2 + 3 + 2): all submitted before any
+    # verdict, the engine sees one stream of requests from all episodes
+    assert engines["solver"].peak == 7
+    assert [name for name, _ in log[:7]] == ["s"] * 7
+    b = together["b"]
+    assert [s.metadata["verdict"] for s in b if s.role == "verifier"] == ["approve"] * 3
+    assert [s.reward for s in together["a"] if s.role == "solver"] == [0, 0, 1, 1]
+
+
+def test_a_reward_that_is_not_cheap_runs_off_the_event_loop():
+    import threading
+
+    class Recording(Reward):
+        """Exact match that records the thread it ran on."""
+
+        def __init__(self):
+            self.threads = set()
+
+        def __call__(self, completion, metadata):
+            self.threads.add(threading.get_ident())
+            return float(completion.strip() == metadata["answer"])
+
+    reward = Recording()
+    wf = SolverVerifier(reward, **dict(TOY_TEMPLATES, sampling=SamplingSpec(max_tokens=4)))
+    samples = run_one(wf, _task("a", "1+2=", "3", n=2), _arith_engines())
+    assert threading.get_ident() not in reward.threads and reward.threads
+    assert [s.reward for s in samples if s.role == "solver"] == [0, 0, 1, 1]
 
 
 def test_same_model_plays_both_roles():
     engine = ScriptedEngine({"2+2=": ["5"], "2+2=5?": ["N"], "2+2=5?N;2+2=": ["4"]})
     wf = _wf(roles={"solver": "p", "verifier": "p"})
-    out = wf.run([_task("t", "2+2=", "4", n=2, model_ids=["p"])], {"p": engine})
-    s = out["t"]
+    s = run_one(wf, _task("t", "2+2=", "4", n=2, model_ids=["p"]), {"p": engine})
     assert all(x.model_id == "p" for x in s)
     assert sorted(x.sample_index for x in s) == list(range(6))  # unique within the model id
     assert [x.role for x in s].count("verifier") == 2
@@ -133,9 +191,9 @@ def test_same_model_plays_both_roles():
 def test_missing_engine_or_model_id_is_a_clear_error():
     eng = ScriptedEngine({})
     with pytest.raises(KeyError, match="roles.verifier"):
-        _wf().run([_task()], {"solver": eng})
+        run_one(_wf(), _task(), {"solver": eng})
     with pytest.raises(KeyError, match="task.model_ids"):
-        _wf().run([_task(model_ids=["solver"])], {"solver": eng, "verifier": eng})
+        run_one(_wf(), _task(model_ids=["solver"]), {"solver": eng, "verifier": eng})
     with pytest.raises(ValueError, match="verifier_prompt"):
         _wf(verifier_prompt="{problem}{feedback}")  # the verifier has no feedback to read
 
@@ -179,8 +237,7 @@ def test_real_tiny_model_layout(tiny_model_dir):
 
     solver = HFEngine(str(tiny_model_dir), seed=0, version=2)
     verifier = HFEngine(str(tiny_model_dir), seed=1, version=7)
-    out = _wf().run([_task(n=3)], {"solver": solver, "verifier": verifier})
-    samples = out["t0"]
+    samples = run_one(_wf(), _task(n=3), {"solver": solver, "verifier": verifier})
     ver = [s for s in samples if s.role == "verifier"]
     assert len(ver) == 3
     # a random model almost never writes exactly "Y"/"N": the fallback makes those rejections
@@ -202,6 +259,8 @@ def test_chat_mode_wraps_each_filled_template_as_a_user_message():
     class ChatTok:
         """The char tokenizer plus a minimal chat template ("u:" + content + "a:")."""
 
+        eos_token_id = EOS
+
         def __init__(self):
             self.seen = []
 
@@ -219,7 +278,8 @@ def test_chat_mode_wraps_each_filled_template_as_a_user_message():
     solver = ScriptedEngine({"u:1+1=a:": ["2"]})
     verifier = ScriptedEngine({"u:1+1=2?a:": ["Y"]})
     solver.tokenizer, verifier.tokenizer = ChatTok(), ChatTok()
-    out = _wf(chat=True).run([_task("c", "1+1=", "2", n=1)], {"solver": solver, "verifier": verifier})
-    assert [s.metadata["verdict"] for s in out["c"]] == ["approve", "approve"]
+    out = run_one(_wf(chat=True), _task("c", "1+1=", "2", n=1),
+                  {"solver": solver, "verifier": verifier})
+    assert [s.metadata["verdict"] for s in out] == ["approve", "approve"]
     assert solver.tokenizer.seen == [[{"role": "user", "content": "1+1="}]]
     assert verifier.tokenizer.seen == [[{"role": "user", "content": "1+1=2?"}]]

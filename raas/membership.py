@@ -1,0 +1,330 @@
+"""Membership of a RaaS instance in the pool: register, heartbeat, rejoin, drain, hard stop.
+
+The service tracks its in-flight tasks (leased, not yet pushed or returned), so nothing it holds
+waits for a lease to expire when it can say so at once:
+
+* drain (first SIGTERM / SIGINT, or the dataflow's drain route seen through the heartbeat):
+  stop leasing, let the episodes in flight finish and push, deregister, exit 0;
+* hard stop (a second signal, a drain still running after ``drain_timeout_s``, or a drain
+  whose dataflow has been unreachable for ``DRAIN_UNREACHABLE_S``): cancel every episode,
+  return every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
+* rejoin: a heartbeat, lease or push answered 404 for this instance (a dataflow restarted,
+  on its old state or a fresh one) registers again under the same instance id, once however
+  many threads noticed.
+
+Liveness is kept by a heartbeat thread, so a long generation never looks like a dead instance;
+it reports how many tasks are in flight and learns from the reply when the dataflow wants the
+instance drained. Everything here is thread-safe: signals, the heartbeat thread, the drain timer
+and the event loop all call in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+log = logging.getLogger("astralight.raas")
+
+HARD_STOP_EXIT = 130
+"""Exit code of a hard stop (second signal, or a drain past ``drain_timeout_s``)."""
+HARD_STOP_CALLS_S = 10.0
+"""How long a hard stop waits for its return and deregister calls before exiting anyway."""
+GOODBYE_RETRY_S = 10.0
+"""How long the last calls (return, deregister) wait for an unreachable dataflow."""
+DRAIN_UNREACHABLE_S = 10.0
+"""A drain whose dataflow stays unreachable this long becomes a hard stop (nothing it finishes
+could be delivered; the dataflow re-issues the leases when they expire)."""
+
+
+def _status(exc: BaseException) -> int | None:
+    """HTTP status of a DataflowError (duck-typed, so the client module stays optional here)."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def _field(exc: BaseException) -> str | None:
+    return getattr(exc, "field", None)
+
+
+class Membership:
+    """The membership half of :class:`astralight.raas.service.RaaSService` (a mixin).
+
+    Uses the service's ``config``, ``client``, ``client_factory``, ``engines``, ``counters``,
+    ``stop_event``, ``say``, ``maybe_progress`` and ``_exit``; calls ``_on_stop(hard)`` when a
+    drain or hard stop begins (the episode runner wakes up, and on a hard stop cancels its
+    episodes).
+    """
+
+    def _init_membership(self) -> None:
+        self.instance_id: str | None = self.config.instance_id
+        self.lease_seconds = 60.0
+        self._heartbeat: threading.Thread | None = None
+        self._in_flight: set[str] = set()
+        self._in_flight_lock = threading.Lock()
+        self._state_lock = threading.RLock()  # RLock: a signal may arrive while it is held
+        self._signals = 0
+        self._register_lock = threading.Lock()
+        self._registrations = 0  # bumped by every successful register (rejoin guard)
+        self.draining = False
+        self.drain_reason = ""
+        self.drain_unreachable_s = DRAIN_UNREACHABLE_S
+        self._hard_stop = threading.Event()
+        self._hard_stop_done = threading.Event()
+        self._drain_timer: threading.Timer | None = None
+        self._heartbeat_stop = threading.Event()
+        self._left = False
+
+    def _on_stop(self, hard: bool = False) -> None:  # noqa: B027 - the service overrides it
+        """A drain (``hard=False``) or hard stop began."""
+
+    def register(self, client: Any = None) -> None:
+        """Register under this instance's id (one made up the first time), with its capacity."""
+        with self._register_lock:
+            self._register_locked(client or self.client)
+
+    def _register_locked(self, client: Any) -> None:
+        wf = self.config.workflow
+        meta = {"workflow": getattr(wf, "name", type(wf).__name__), "pid": os.getpid(),
+                "versions": {m: int(e.version) for m, e in self.engines.items()}}
+        reply = client.register(self.config.model_ids, self.config.max_concurrency,
+                                instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",
+                                meta=meta, capacity_units=self.config.capacity_units)
+        self.instance_id = reply["instance_id"]
+        self.lease_seconds = float(reply.get("lease_seconds", self.lease_seconds))
+        self._registrations += 1
+
+    def rejoin(self, seen: int, client: Any = None, why: str = "") -> bool:
+        """Register again (same instance id) after a 404 for this instance, unless another
+        thread already did.
+
+        ``seen`` is the registration count the caller read before the call that got the 404:
+        if it moved since, that registration already answered the 404 and this one is skipped
+        (a lease, a heartbeat and a few pushes all notice a restarted dataflow at once). One
+        lock serializes registrations, so two threads never register at the same time.
+        """
+        with self._register_lock:
+            if self._registrations != seen or self._left:  # (never undo a deregistration)
+                return False
+            self._register_locked(client or self.client)
+        self.counters.add(rejoins=1)
+        self.say(f"raas registered again as {self.instance_id} ({why or 'unknown instance'})")
+        return True
+
+    def _heartbeat_loop(self) -> None:
+        client = self.client_factory()
+        try:
+            while not self._heartbeat_stop.wait(self.config.heartbeat_interval_s
+                                                or max(self.lease_seconds / 3.0, 0.5)):
+                self.heartbeat_once(client)
+        finally:
+            client.close()
+
+    def heartbeat_once(self, client: Any = None) -> dict | None:
+        """One heartbeat with the in-flight count: rejoin on 404, drain if the reply says so."""
+        client = client or self.client
+        seen = self._registrations
+        try:
+            reply = client.heartbeat(self.instance_id, in_flight=self.in_flight_count())
+        except Exception as exc:  # the main loop notices a dead dataflow too
+            if _status(exc) == 404:  # (the heartbeat names nothing else that could be unknown)
+                try:
+                    self.rejoin(seen, client, why="heartbeat: the dataflow does not know us")
+                except Exception as again:
+                    log.warning("registering again failed: %s", again)
+            else:
+                log.warning("heartbeat failed: %s", exc)
+            return None
+        if isinstance(reply, dict):
+            if reply.get("lease_seconds"):
+                self.lease_seconds = float(reply["lease_seconds"])
+            if reply.get("drain"):
+                self.drain("the dataflow's drain route")
+        return reply
+
+    # ------------------------------------------------------------------ in-flight tasks
+
+    def in_flight_count(self) -> int:
+        with self._in_flight_lock:
+            return len(self._in_flight)
+
+    def in_flight_ids(self) -> list[str]:
+        with self._in_flight_lock:
+            return sorted(self._in_flight)
+
+    def _track(self, task_ids) -> None:
+        with self._in_flight_lock:
+            self._in_flight.update(task_ids)
+
+    def _untrack(self, task_ids) -> list[str]:
+        """Forget ``task_ids``; returns those that were still held (not returned meanwhile)."""
+        with self._in_flight_lock:
+            held = [t for t in task_ids if t in self._in_flight]
+            self._in_flight.difference_update(held)
+        return held
+
+    def return_tasks(self, task_ids, failed: bool = False, why: str = "",
+                     client: Any = None) -> int:
+        """Give tasks back to the dataflow (leasable at once); their leases need not expire.
+
+        Best effort: if the call fails the leases expire and the dataflow re-issues them anyway.
+        """
+        ids = self._untrack(list(task_ids))
+        if not ids:
+            return 0
+        client = client or self.client
+        try:
+            client.return_tasks(self.instance_id, ids, failed=failed)
+        except Exception as exc:
+            log.warning("could not return %d task(s) (%s): %s; their leases will expire instead",
+                        len(ids), why, exc)
+            return 0
+        self.counters.add(tasks_returned=len(ids))
+        log.info("returned %d task(s)%s: %s", len(ids), " as failed" if failed else "", why)
+        return len(ids)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def request_stop(self, signum: int | None = None, *_: Any) -> None:
+        """Stop request (the SIGTERM / SIGINT handler): the first drains, a second one (or a
+        signal during a drain the dataflow asked for) is a hard stop.
+
+        From a signal the work runs on a short-lived thread: a handler interrupts the main
+        thread anywhere, possibly inside a lock the work needs.
+        """
+        self._signals += 1
+        n = self._signals
+        if signum is None:
+            self._on_stop_request(n, "stop request")
+        else:
+            name = signal.Signals(signum).name
+            threading.Thread(target=self._on_stop_request, args=(n, name), daemon=True,
+                             name="raas-signal").start()
+
+    def _on_stop_request(self, n: int, name: str) -> None:
+        if n > 1 or self.draining:
+            self.hard_stop(f"{name} during a drain")
+        else:
+            self.drain(name)
+
+    def drain(self, reason: str) -> None:
+        """Stop leasing; the cycles in flight finish and push, then :meth:`leave` runs.
+
+        Idempotent (the heartbeat repeats the dataflow's request). After ``drain_timeout_s``
+        a drain that has not finished becomes a hard stop.
+        """
+        with self._state_lock:
+            if self.draining:
+                return
+            self.draining, self.drain_reason = True, reason
+        self.say(f"raas stopping (drain: {reason}): finishing {self.in_flight_count()} in-flight "
+                 f"task(s), then returning what is left and deregistering")
+        self.stop_event.set()
+        self._on_stop()
+        timer = threading.Timer(self.config.drain_timeout_s, self.hard_stop,
+                                args=(f"the drain outlasted drain_timeout_s="
+                                      f"{self.config.drain_timeout_s:g}",))
+        timer.daemon = True
+        self._drain_timer = timer
+        timer.start()
+        threading.Thread(target=self._watch_drain, name="raas-drain-watch", daemon=True).start()
+
+    def _watch_drain(self, interval_s: float = 1.0) -> None:
+        """While a drain runs, probe the dataflow every ``interval_s`` (one attempt, short
+        timeout); unreachable for :data:`DRAIN_UNREACHABLE_S` in a row -> hard stop.
+
+        Why: when a whole run stops at once (its launcher killed, a node going down) the
+        dataflow is gone too, and each push of a finishing task would retry it for the client's
+        ``retry_s`` (60 s) in turn: the drain would hold the GPU for minutes, up to
+        ``drain_timeout_s``, to deliver nothing. An error answer counts as reachable."""
+        from astralight.dataflow.client import DataflowUnreachable
+
+        client = self.client_factory()
+        if not callable(getattr(client, "info", None)):
+            return
+        for name, cap in (("retry_s", 0.0), ("timeout", 2.0)):
+            if isinstance(getattr(client, name, None), (int, float)):
+                setattr(client, name, min(getattr(client, name), cap))
+        since = None
+        try:
+            while not self._hard_stop.wait(interval_s) and not self._left:
+                try:
+                    client.info()
+                    since = None
+                except DataflowUnreachable as exc:
+                    since = since if since is not None else time.monotonic()
+                    if time.monotonic() - since >= self.drain_unreachable_s:
+                        self.hard_stop(f"the dataflow has been unreachable for "
+                                       f"{self.drain_unreachable_s:g} s during the drain ({exc})")
+                        return
+                except Exception:  # noqa: BLE001 - an answer, even an error: it is there
+                    since = None
+        finally:
+            if client is not self.client and callable(getattr(client, "close", None)):
+                client.close()
+
+    def hard_stop(self, reason: str) -> None:
+        """Return every in-flight task, deregister and exit ``HARD_STOP_EXIT`` now.
+
+        The calls run on their own thread (a signal handler must not wait on locks the
+        interrupted thread may hold) and are given ``HARD_STOP_CALLS_S``; then the process
+        exits without waiting for generations in flight (their results are no longer ours).
+        """
+        with self._state_lock:
+            if self._hard_stop.is_set():
+                return
+            self._hard_stop.set()
+            self.draining = True
+        self.stop_event.set()
+        self._on_stop(hard=True)
+        self.say(f"raas hard stop ({reason}): returning {self.in_flight_count()} in-flight "
+                 f"task(s), deregistering, exiting {HARD_STOP_EXIT}")
+        threading.Thread(target=self._hard_stop_thread, name="raas-hard-stop", daemon=True).start()
+
+    def _hard_stop_thread(self) -> None:
+        calls = threading.Thread(target=self._goodbye, args=(True,), name="raas-goodbye",
+                                 daemon=True)
+        calls.start()
+        calls.join(HARD_STOP_CALLS_S)
+        self.maybe_progress(force=True)
+        self._hard_stop_done.set()
+        self._exit(HARD_STOP_EXIT)
+
+    def leave(self) -> None:
+        """Leave the pool cleanly: stop heartbeats, return what is still held, deregister."""
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
+        self._goodbye()
+
+    def _goodbye(self, own_client: bool = False) -> None:
+        """Return what is still held and deregister, once. ``own_client``: on a thread of its
+        own (hard stop), with a client of its own."""
+        with self._state_lock:
+            if self._left or self.instance_id is None or self.client is None:
+                return
+            self._left = True
+        self._heartbeat_stop.set()
+        client = self.client_factory() if own_client else self.client
+        if isinstance(getattr(client, "retry_s", None), (int, float)):
+            client.retry_s = min(client.retry_s, GOODBYE_RETRY_S)  # the process is ending
+        try:
+            held = self.in_flight_ids()
+            returned = self.return_tasks(held, why="leaving the pool", client=client) if held else 0
+            try:
+                reply = client.deregister(self.instance_id)
+            except Exception as exc:
+                log.warning("deregister failed: %s (the dataflow will see the instance go quiet "
+                            "and re-issue its leases when they expire)", exc)
+                return
+            released = reply.get("returned", 0) if isinstance(reply, dict) else 0
+            self.say(f"raas left the pool: instance={self.instance_id} returned={returned}"
+                     f" released_by_dataflow={released}")
+        finally:
+            if own_client and client is not self.client:
+                client.close()
+

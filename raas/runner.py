@@ -1,0 +1,428 @@
+"""The episode runner: every leased task is its own asyncio task, leased as slots free up.
+
+One event loop (the service's main thread) does all of it:
+
+- **lease**: whenever fewer than ``max_concurrency`` episodes are in flight, lease as many tasks
+  as there are free slots (the dataflow may grant fewer); an empty lease waits
+  ``poll_interval_s`` or until an episode ends;
+- **episodes**: ``await workflow.run(task, engines)`` per task, so a multi-turn episode submits
+  its next turn as soon as its own environment step returns and a long episode never holds a
+  short one; the engine batches whatever all episodes have in flight (continuous batching);
+- **pushes**: finished tasks go to a push queue; each push request carries every task that is
+  ready by then (``push_many``, each task idempotent), up to ``push_concurrency`` requests in
+  flight, so a far dataflow's round trip is paid per batch, not per task;
+- **weights**: a refresh task loads newer verified versions into the engines while episodes run
+  (the engine applies a version between two of its steps; requests in flight continue under it).
+
+Blocking calls (the dataflow client, weight loads, environment steps inside workflows) run on the
+loop's executor threads; nothing on the loop blocks. Counters are updated only on the loop or
+through :meth:`Counters.add` (one lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from astralight.raas.membership import _field, _status
+from astralight.workflows.base import as_episode_runner
+
+log = logging.getLogger("astralight.raas")
+
+PUSH_BATCH_TASKS = 64
+"""Most tasks one push request carries."""
+
+
+@dataclass
+class Counters:
+    """What the progress line reports (cumulative since start); :meth:`add` under one lock."""
+
+    cycles: int = 0  # lease calls
+    tasks_done: int = 0
+    samples_pushed: int = 0
+    duplicate_pushes: int = 0
+    tokens_generated: int = 0
+    generate_s: float = 0.0  # sum of episode wall times
+    workflow_errors: int = 0
+    push_errors: int = 0
+    push_requests: int = 0
+    dataflow_errors: int = 0
+    unsupported_tasks: int = 0
+    empty_tasks: int = 0
+    tasks_returned: int = 0
+    pushes_dropped: int = 0
+    rejoins: int = 0
+    episodes_cancelled: int = 0
+    peak_in_flight: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+
+
+class EpisodeRunner:
+    """Runs the service's lease / episode / push loop on one event loop (see module docstring).
+
+    ``service`` is the :class:`~astralight.raas.service.RaaSService`: its config, engines,
+    membership (tracking, return, rejoin), weight syncs and clients.
+    """
+
+    def __init__(self, service: Any):
+        self.service = service
+        self.config = service.config
+        self.workflow = as_episode_runner(self.config.workflow)
+        self.episodes: dict[str, asyncio.Task] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._push_queue: asyncio.Queue | None = None
+        self._pushes: set[asyncio.Task] = set()
+        self._failing_since: float | None = None
+        self.leases = 0
+        self.exit_code = 0
+        self._control: ThreadPoolExecutor | None = None
+        self._push_pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ thread-safe controls
+
+    def wake(self) -> None:
+        """Wake the loop (from any thread): a stop was requested."""
+        loop, wake = self.loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    def cancel_all(self) -> None:
+        """Cancel every episode in flight (from any thread); their engine requests are aborted."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._cancel_all)
+
+    def _cancel_all(self) -> None:
+        for task in list(self.episodes.values()):
+            task.cancel()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _setup(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        workers = max(16, self.config.max_concurrency + self.config.push_concurrency + 4)
+        self.loop.set_default_executor(ThreadPoolExecutor(max_workers=workers,
+                                                          thread_name_prefix="raas-exec"))
+        self._wake = asyncio.Event()
+        self._push_queue = asyncio.Queue()
+        if self._control is None:  # lease / return calls on the service's client, one at a time
+            self._control = ThreadPoolExecutor(1, thread_name_prefix="raas-dataflow")
+            self._push_pool = ThreadPoolExecutor(self.config.push_concurrency,
+                                                 thread_name_prefix="raas-push")
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the control thread (the service's own dataflow client)."""
+        return await self.loop.run_in_executor(self._control, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        for pool in (self._control, self._push_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._control = self._push_pool = None
+
+    async def serve(self) -> int:
+        """Lease and run until stopped (or ``max_cycles`` lease calls); return the exit code.
+
+        On a drain the episodes in flight finish and push; on a hard stop they are cancelled
+        (membership returns their tasks).
+        """
+        self._setup()
+        svc, cfg = self.service, self.config
+        refresher = asyncio.create_task(self._refresh_loop())
+        pusher = asyncio.create_task(self._push_loop())
+        try:
+            while not svc.stop_event.is_set():
+                free = cfg.max_concurrency - len(self.episodes)
+                if free <= 0:
+                    await self._nap(None)
+                    continue
+                granted = await self._lease(free)
+                if granted is None:  # the dataflow failed; give up or back off
+                    if self.exit_code:
+                        break
+                    await self._nap(cfg.poll_interval_s)
+                    continue
+                svc.maybe_progress()
+                if cfg.max_cycles is not None and self.leases >= cfg.max_cycles:
+                    break
+                if granted == 0:
+                    await self._nap(cfg.poll_interval_s)
+            await self._finish()
+        finally:
+            refresher.cancel()
+            pusher.cancel()
+            await asyncio.gather(refresher, pusher, return_exceptions=True)
+        return self.exit_code
+
+    async def cycle_once(self) -> int:
+        """One lease, its episodes run to the end and pushed; returns the tasks pushed.
+        (Tests and tools; the service runs :meth:`serve`.)"""
+        if self.loop is None or self.loop is not asyncio.get_running_loop():
+            self._setup()
+        done_before = self.service.counters.tasks_done
+        pusher = asyncio.create_task(self._push_loop())
+        try:
+            await self._refresh_once()
+            granted = await self._lease(self.config.max_concurrency, raise_errors=True)
+            if granted:
+                await self._finish()
+        finally:
+            pusher.cancel()
+            await asyncio.gather(pusher, return_exceptions=True)
+        return self.service.counters.tasks_done - done_before
+
+    async def _nap(self, seconds: float | None) -> None:
+        """Sleep until an episode ends, a stop is requested, or ``seconds`` pass."""
+        self._wake.clear()
+        if self.service.stop_event.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _finish(self) -> None:
+        """Wait for the episodes in flight (a hard stop cancels them) and their pushes."""
+        while self.episodes:
+            await asyncio.gather(*list(self.episodes.values()), return_exceptions=True)
+        await self._push_queue.join()
+        while self._pushes:
+            await asyncio.gather(*list(self._pushes), return_exceptions=True)
+
+    # ------------------------------------------------------------------ leasing
+
+    async def _lease(self, free: int, raise_errors: bool = False) -> int | None:
+        """Lease up to ``free`` tasks and start an episode for each; the number granted, or None
+        when the dataflow failed (counted; after ``dataflow_give_up_s`` the runner gives up)."""
+        svc, cfg = self.service, self.config
+        client = svc.client
+        seen = svc._registrations
+        try:
+            tasks = await self._call(client.lease, svc.instance_id, free)
+        except Exception as exc:
+            if _status(exc) in (404, 410):  # the dataflow forgot us (restarted, expired): rejoin
+                log.warning("lease refused (%s); registering again", exc)
+                await self._call(svc.rejoin, seen, client, "lease: the dataflow does not know us")
+                return 0
+            if raise_errors:
+                raise
+            self._dataflow_failed(exc)
+            return None
+        self._failing_since = None
+        self.leases += 1
+        svc.counters.add(cycles=1)
+        if not tasks:
+            return 0
+        ids = [t.task_id for t in tasks]
+        svc._track(ids)
+        if svc.stop_event.is_set():  # a drain began while this lease was on the wire
+            await self._call(svc.return_tasks, ids, False, "draining: leased, not started")
+            return len(tasks)
+        name = getattr(self.workflow, "name", "")
+        other = [t.task_id for t in tasks if name and t.workflow != name]
+        if other:
+            svc.counters.add(unsupported_tasks=len(other))
+            log.error("%d leased task(s) want a workflow other than %r; returned for an "
+                      "instance that runs theirs", len(other), name)
+            await self._call(svc.return_tasks, other, False, f"workflow is not {name!r}")
+        for task in tasks:
+            if task.task_id not in other:
+                self.episodes[task.task_id] = asyncio.create_task(self._episode(task))
+        with svc.counters._lock:
+            svc.counters.peak_in_flight = max(svc.counters.peak_in_flight, len(self.episodes))
+        return len(tasks)
+
+    def _dataflow_failed(self, exc: BaseException) -> None:
+        svc, cfg = self.service, self.config
+        svc.counters.add(dataflow_errors=1)
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        log.error("lease failed: %s", exc)
+        if now - self._failing_since > cfg.dataflow_give_up_s:
+            svc.say(f"raas giving up: the dataflow has failed for "
+                    f"{now - self._failing_since:.0f}s")
+            self.exit_code = 1
+            svc.stop_event.set()
+
+    # ------------------------------------------------------------------ episodes
+
+    async def _episode(self, task: Any) -> None:
+        """Run one task and queue its samples for pushing (or return it); its slot stays taken
+        until then, so ``max_concurrency`` bounds the tasks held, not just those generating."""
+        try:
+            await self._run_episode(task)
+        except asyncio.CancelledError:
+            self.service.counters.add(episodes_cancelled=1)
+            raise
+        finally:
+            self.episodes.pop(task.task_id, None)
+            self._wake.set()
+
+    async def _run_episode(self, task: Any) -> None:
+        svc = self.service
+        start = time.perf_counter()
+        try:
+            await self._catch_up(task)
+        except Exception as exc:  # not the task's fault: another instance may run it
+            log.error("task %s: could not load the version it needs (%s); returned",
+                      task.task_id, exc)
+            await self._call(svc.return_tasks, [task.task_id], False,
+                             "its weight version could not be loaded")
+            return
+        try:
+            samples = await self.workflow.run(task, svc.engines)
+        except Exception:
+            svc.counters.add(workflow_errors=1)
+            log.exception("workflow failed on task %s; returned to the dataflow as failed",
+                          task.task_id)
+            await self._call(svc.return_tasks, [task.task_id], True, "the workflow raised")
+            return
+        svc.counters.add(generate_s=time.perf_counter() - start)
+        if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
+            svc.counters.add(empty_tasks=1)
+            svc._untrack([task.task_id])  # left to expire (returning it would loop on it)
+            return
+        if self.config.cycle_delay_s > 0:
+            await asyncio.sleep(self.config.cycle_delay_s)
+        if svc._hard_stop.is_set():
+            return  # a hard stop returned this task
+        self._push_queue.put_nowait((task, list(samples)))
+
+    async def _catch_up(self, task: Any) -> None:
+        """Load the version a task asks for before running it.
+
+        An eval task of version v is scheduled when v is published, possibly before this RaaS
+        has loaded v: load it now, so the eval measures the version it is named after. A task of
+        the synchronous mode names ``min_versions``: its samples must come from exactly the
+        version the trainers just published.
+        """
+        svc = self.service
+        want: dict[str, int] = {}
+        if task.kind == "eval" and task.eval_version is not None and task.model_ids[0] in svc.syncs:
+            want[task.model_ids[0]] = int(task.eval_version)
+        for mid, version in (task.min_versions or {}).items():
+            if mid in svc.syncs:
+                want[mid] = max(want.get(mid, -1), int(version))
+        for mid, version in want.items():
+            if svc.engines[mid].version < version:
+                await asyncio.to_thread(svc.syncs[mid].refresh, True)
+                if svc.engines[mid].version < version:
+                    log.warning("task %s for %s v%d runs on v%d: that version could not be "
+                                "loaded", task.task_id, mid, version, svc.engines[mid].version)
+
+    # ------------------------------------------------------------------ weights
+
+    async def _refresh_once(self) -> None:
+        for sync in self.service.syncs.values():
+            await asyncio.to_thread(sync.refresh)
+
+    async def _refresh_loop(self) -> None:
+        """Load verified versions while episodes run (the pause is the engine's, between two
+        of its steps)."""
+        interval = max(0.02, min(0.1, self.config.weight_check_interval_s))
+        while True:
+            try:
+                await self._refresh_once()
+            except Exception:  # noqa: BLE001 - the sync logs and counts its own failures
+                log.exception("weight refresh failed")
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ pushing
+
+    async def _push_loop(self) -> None:
+        """Take what is ready, push it as one request; up to ``push_concurrency`` at once."""
+        limit = asyncio.Semaphore(self.config.push_concurrency)
+        while True:
+            batch = [await self._push_queue.get()]
+            while len(batch) < PUSH_BATCH_TASKS and not self._push_queue.empty():
+                batch.append(self._push_queue.get_nowait())
+            await limit.acquire()
+            push = asyncio.create_task(self._push(batch, limit))
+            self._pushes.add(push)
+            push.add_done_callback(self._pushes.discard)
+
+    async def _push(self, batch: list, limit: asyncio.Semaphore) -> None:
+        try:
+            outcomes = await self.loop.run_in_executor(self._push_pool, self._push_blocking, batch)
+            self._account(batch, outcomes)
+        finally:
+            limit.release()
+            for _ in batch:
+                self._push_queue.task_done()
+
+    def _push_blocking(self, batch: list) -> list:
+        """On an executor thread, with that thread's own client: one ``push_many`` request (or,
+        for a client without it, one push per task); a 404 for this instance rejoins and
+        pushes those tasks once more."""
+        svc = self.service
+        client = svc._thread_client()
+        seen = svc._registrations
+        items = [(task.task_id, samples) for task, samples in batch]
+        outcomes = self._send(client, items)
+        retry = [i for i, o in enumerate(outcomes) if isinstance(o, Exception)
+                 and _status(o) == 404 and _field(o) == "instance_id"]
+        if retry:
+            try:  # the dataflow restarted and forgot us: rejoin, then push once more
+                svc.rejoin(seen, client, why="push: the dataflow does not know us")
+                again = self._send(client, [items[i] for i in retry])
+            except Exception as exc:  # noqa: BLE001 - each task gets the error
+                again = [exc] * len(retry)
+            for i, o in zip(retry, again):
+                outcomes[i] = o
+        return outcomes
+
+    def _send(self, client: Any, items: list) -> list:
+        svc = self.service
+        svc.counters.add(push_requests=1)
+        many = getattr(client, "push_many", None)
+        if callable(many):
+            try:
+                return list(many(svc.instance_id, items))
+            except Exception as exc:  # noqa: BLE001 - the whole request failed
+                return [exc] * len(items)
+        out = []
+        for task_id, samples in items:
+            try:
+                out.append(client.push(svc.instance_id, task_id, samples))
+            except Exception as exc:  # noqa: BLE001 - this task's outcome
+                out.append(exc)
+        return out
+
+    def _account(self, batch: list, outcomes: list) -> None:
+        svc = self.service
+        for (task, samples), outcome in zip(batch, outcomes):
+            svc._untrack([task.task_id])
+            if isinstance(outcome, Exception):
+                status = _status(outcome)
+                if status in (404, 409, 410):  # unknown / never leased / gone: nothing to retry
+                    svc.counters.add(pushes_dropped=1)
+                    log.warning("push of task %s dropped: %s (a dataflow restarted on a fresh "
+                                "state no longer knows the task)", task.task_id, outcome)
+                    continue
+                svc.counters.add(push_errors=1)
+                log.error("push of task %s refused: %s", task.task_id, outcome)
+                if not status:  # None/0: the dataflow is unreachable
+                    self._dataflow_failed(outcome)
+                continue
+            self._failing_since = None
+            svc.first_push_said()
+            svc.counters.add(tasks_done=1,
+                             samples_pushed=int(outcome.get("accepted", len(samples))),
+                             duplicate_pushes=int(bool(outcome.get("duplicate"))),
+                             tokens_generated=sum(int(s.loss_mask.sum()) for s in samples))
