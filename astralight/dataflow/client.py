@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from astralight.protocol import Batch, Task, WeightManifest, decode, encode, expect
+from astralight.protocol import Batch, Sample, Task, WeightManifest, decode, encode, expect
 
 MSGPACK = "application/msgpack"
 #: response header of /v1/pull carrying the service's batch_ack_timeout_s
@@ -69,11 +69,14 @@ class DataflowError(RuntimeError):
     request field the server named. ``status`` is None for failures that are not an HTTP answer
     (see :class:`DataflowUnreachable`, and a downloaded file failing its sha256 check)."""
 
-    def __init__(self, status: int | None, message: str, field: str | None = None):
+    def __init__(self, status: int | None, message: str, field: str | None = None,
+                 payload: dict | None = None):
         super().__init__(f"dataflow HTTP {status}: {message}" if status else message)
         self.status = status
         self.message = message
         self.field = field
+        #: the whole JSON error answer (``push_many`` reads its per-item ``results`` from it)
+        self.payload = payload
 
 
 class DataflowUnreachable(DataflowError):
@@ -86,9 +89,9 @@ class DataflowUnreachable(DataflowError):
 class DataflowClient:
     """The one way components talk to the dataflow service (msgpack over HTTP).
 
-    RaaS: register, heartbeat, lease, push, return_tasks, deregister (and drain, for operators and
-    the autoscaler). Trainers: pull_batch, extend_batch (keep-alive), ack, upload_weight_file,
-    publish.
+    RaaS: register, heartbeat, lease, push / push_many, return_tasks, deregister (and drain, for
+    operators and the autoscaler). Trainers: pull_batch, extend_batch (keep-alive), ack,
+    upload_weight_file, publish.
     Everyone: info, stats, eval_results, current_version, manifests and weight downloads.
     Connection failures are retried with backoff for ``retry_s`` (a restarting service is waited
     for); an HTTP error answer raises :class:`DataflowError` with the server's message and field.
@@ -161,7 +164,8 @@ class DataflowClient:
             if isinstance(err, dict):
                 message = err.get("error") or err.get("detail") or message
                 field = err.get("field")
-            raise DataflowError(resp.status_code, str(message), field)
+            raise DataflowError(resp.status_code, str(message), field,
+                                err if isinstance(err, dict) else None)
         return resp
 
     def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
@@ -226,8 +230,74 @@ class DataflowClient:
         return [expect(t, Task, "tasks[]") for t in out["tasks"]]
 
     def push(self, instance_id: str, task_id: str, samples: list) -> dict:
+        """Push one task's samples; returns ``{accepted, filtered, duplicate}`` once they are
+        durable. Idempotent: a task already accepted answers ``duplicate=True``."""
         return self._call("POST", "/v1/push", {"instance_id": instance_id, "task_id": task_id,
                                                "samples": list(samples)})
+
+    def push_many(self, instance_id: str,
+                  items: list[tuple[str, list[Sample]]]) -> list[dict | Exception]:
+        """Push several tasks' samples in one request (``POST /v1/push_many``).
+
+        Returns, per item and in order, what :meth:`push` of that item alone would return (its
+        reply dict) or raise (the :class:`DataflowError`, with ``status`` and ``field`` as push
+        would give them), so one bad item never fails the others; every reply comes once the
+        accepted items are durable. A request the service refuses as a whole is handled so that
+        this still holds: too big (413) is split in halves and sent again; a body that does not
+        decode because of one item (the field names ``items[i]``) is sent again item by item
+        (push); any other refusal (auth, a bad ``instance_id``) or an unreachable service is
+        every item's exception. Bad arguments (not ``(task_id, samples)`` pairs) raise here.
+        """
+        items = [self._push_item(i, item) for i, item in enumerate(items)]
+        if not items:
+            return []
+        try:
+            out = self._call("POST", "/v1/push_many", {"instance_id": instance_id, "items": [
+                {"task_id": task_id, "samples": samples} for task_id, samples in items]})
+            return [self._push_result(r) for r in out["results"]]
+        except DataflowError as exc:
+            return self._push_many_refused(instance_id, items, exc)
+
+    @staticmethod
+    def _push_item(i: int, item: Any) -> tuple[str, list]:
+        """``(task_id, samples)`` from an argument item, or TypeError naming ``items[i]``."""
+        try:
+            task_id, samples = item
+        except (TypeError, ValueError):
+            raise TypeError(f"items[{i}]: expected a (task_id, samples) pair, got "
+                            f"{type(item).__name__}") from None
+        if not isinstance(task_id, str):
+            raise TypeError(f"items[{i}]: task_id must be a str, got {type(task_id).__name__}")
+        return task_id, list(samples)
+
+    @staticmethod
+    def _push_result(r: dict) -> dict | DataflowError:
+        """One item's answer: the push reply, or the error push would have raised."""
+        if r.get("status") == 200:
+            return r["reply"]
+        return DataflowError(r.get("status"), str(r.get("error")), r.get("field"))
+
+    def _push_many_refused(self, instance_id: str, items: list[tuple[str, list]],
+                           exc: DataflowError) -> list[dict | Exception]:
+        """Per-item outcomes of a ``push_many`` request the service refused as a whole."""
+        results = (exc.payload or {}).get("results")
+        if isinstance(results, list) and len(results) == len(items):  # every item was refused
+            return [self._push_result(r) for r in results]
+        if exc.status == 413 and len(items) > 1:  # over max_body_bytes: halves, recursively
+            half = len(items) // 2
+            return (self.push_many(instance_id, items[:half])
+                    + self.push_many(instance_id, items[half:]))
+        names_an_item = (exc.field or "").startswith(("items[", "body.items["))
+        if exc.status == 413 or (exc.status is not None and exc.status < 500 and names_an_item):
+            return [self._push_alone(instance_id, task_id, samples) for task_id, samples in items]
+        return [exc] * len(items)
+
+    def _push_alone(self, instance_id: str, task_id: str, samples: list) -> dict | Exception:
+        """:meth:`push` of one item, its exception returned rather than raised."""
+        try:
+            return self.push(instance_id, task_id, samples)
+        except DataflowError as exc:
+            return exc
 
     # ------------------------------------------------------------------ trainer side
 

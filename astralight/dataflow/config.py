@@ -7,6 +7,7 @@ launchers; :func:`instantiate_plugin` turns a spec into an object only when the 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
@@ -164,8 +165,24 @@ class DataflowConfig:
         max_buffered_samples: stop creating train tasks while every fresh queue plus what open
             tasks will deliver holds this many samples; also the largest pull size.
         max_inflight_tasks: at most this many open (unpushed) train tasks.
+        lease_demand_versions: size what the RaaS generate to what the trainers consume: a new
+            train task is created for a policy only while its queued samples plus what the open
+            train tasks will deliver (``group_size`` each, times the share the sample filters
+            keep) stay under this many versions of its trainers' consumption (measured over the
+            last 4 versions: batches served per version times fresh samples per batch; before
+            that ``trainer_samples_per_version``), and never below the largest batch pulled. More
+            would be dropped stale before it could be served. null (default):
+            ``max_staleness + 1``; 0: off (only ``max_inflight_tasks`` and
+            ``max_buffered_samples``); otherwise >= 1. Applies on top of those two caps, so a
+            config whose caps are already tighter sees no change. Async mode only (sync mode
+            sizes each round by ``sync_batch_size``). See :mod:`astralight.dataflow.demand`.
+        trainer_samples_per_version: ``{model_id: fresh samples its trainers take per version}``
+            (``batch_size`` x data-parallel ranks x ``every_n_steps``, less the replayed share),
+            the demand used before one version has been measured, so the first version's leases
+            are sized too. Policies not named get no demand cap until then.
         eval: held-out evaluation schedule.
-        max_body_bytes: largest msgpack request body.
+        max_body_bytes: largest msgpack request body (also of a batched push: a client splits
+            a ``push_many`` the service refuses as too big).
         max_weight_file_bytes: largest uploaded weight file.
         seed: seeds every data plugin's random generator (each plugin gets its own stream,
             derived from this seed and its place in the config); prompts come from the source,
@@ -188,6 +205,11 @@ class DataflowConfig:
             manifests are removed, as are uploads of versions that can no longer be published.
         weights_keep_s: the grace period above, in seconds (0: collect as soon as a newer full
             version exists).
+        group_commit: make commits durable in groups: SQLite commits without an fsync and one
+            fsync of its WAL covers every commit made meanwhile, so concurrent pushes share it;
+            every request is still answered only once its commits are on disk
+            (:mod:`astralight.dataflow.durability`). false: SQLite fsyncs inside every commit,
+            under the service lock (one fsync per request, as before).
     """
 
     host: str = "127.0.0.1"
@@ -208,6 +230,8 @@ class DataflowConfig:
     queue_order: Union[str, list[Union[str, dict]], dict[str, Union[str, list[Union[str, dict]]]]] = "fifo"
     max_buffered_samples: int = 512
     max_inflight_tasks: int = 64
+    lease_demand_versions: Optional[float] = None
+    trainer_samples_per_version: dict[str, int] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
     max_body_bytes: int = 16 * 1024 * 1024
     max_weight_file_bytes: int = 2 * 1024 * 1024 * 1024
@@ -226,6 +250,7 @@ class DataflowConfig:
     plugin_state_every_s: float = 10.0
     mode: str = "async"
     sync_batch_size: int = 0
+    group_commit: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.eval, dict):  # programmatic use: DataflowConfig(eval={...})
@@ -304,9 +329,33 @@ class DataflowConfig:
             raise ValueError(f"weights_keep_s: must be >= 0 seconds, got {self.weights_keep_s}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        self._validate_lease_demand()
         for name, spec in (("source", self.source), ("eval.source", self.eval.source)):
             if spec is not None and (not isinstance(spec, dict) or "class_path" not in spec):
                 raise ValueError(f"{name}: must be {{class_path: ..., init_args: {{...}}}}")
+
+    def _validate_lease_demand(self) -> None:
+        """Raise ValueError naming ``lease_demand_versions`` / ``trainer_samples_per_version``."""
+        v = self.lease_demand_versions
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or (v != 0 and v < 1)):
+            raise ValueError(f"lease_demand_versions: must be null (max_staleness + 1), 0 (off) or "
+                             f">= 1 version of the trainers' consumption, got {v!r}; below 1 the "
+                             "fresh queue could never hold a whole version's batches")
+        for mid, n in self.trainer_samples_per_version.items():
+            if mid not in self.model_ids:
+                raise ValueError(f"trainer_samples_per_version: {mid!r} is not one of model_ids "
+                                 f"{self.model_ids}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"trainer_samples_per_version.{mid}: must be a positive number of "
+                                 f"samples per version (batch_size x ranks x every_n_steps), "
+                                 f"got {n!r}")
+
+    def demand_versions(self) -> float:
+        """Versions of consumption the lease route lets be outstanding (0: no demand cap)."""
+        if self.lease_demand_versions is None:
+            return float(self.max_staleness + 1)
+        return float(self.lease_demand_versions)
 
     def to_dict(self) -> dict:
         return asdict(self)

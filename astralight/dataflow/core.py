@@ -10,13 +10,15 @@ public method is one request: it takes the lock, does its work in one SQLite tra
 returns plain data, raising :class:`ServiceError` (a 4xx naming the field) for a bad request.
 In-memory structures (the fresh queues, the current versions) change only after the transaction
 committed, so a crash at any point leaves SQLite as the truth the next start rebuilds from.
+The lock is a :class:`~astralight.dataflow.durability.DurableLock`: a request returns only once
+its commits are on disk, and concurrent requests share fsyncs (group commit, ``group_commit``);
+:meth:`Dataflow.push_many` takes many tasks' pushes in one request and waits once for them all.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 import zlib
@@ -26,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from astralight.dataflow import balance, evals, membership
+from astralight.dataflow import balance, demand, evals, membership
 from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
+from astralight.dataflow.durability import DurableLock
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.plugins import DataPlugin, PromptOutcome
 from astralight.dataflow.queues import FreshQueue, QueueEntry
@@ -70,7 +73,6 @@ class Dataflow:
 
     def __init__(self, config: DataflowConfig):
         self.config = config
-        self.lock = threading.RLock()
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.source: PromptSource = instantiate_plugin(config.source, PromptSource, "source")
@@ -85,7 +87,9 @@ class Dataflow:
             except IndexError:
                 raise ValueError("eval.source: the eval source is empty") from None
             self.eval_prompts = evals.eval_size(self.eval_source)
-        self.store = Store(self.state_dir / "dataflow.db")
+        self.store = Store(self.state_dir / "dataflow.db", group_commit=config.group_commit)
+        #: every request holds it; its outermost release waits until the commits are durable
+        self.lock = DurableLock(self.store.durability)
         self.opened_at = time.time()  # batch ack timeouts count from here at the earliest
         self.weights = WeightFiles(self.state_dir / "weights")
         self.model_ids = list(config.model_ids)
@@ -100,6 +104,8 @@ class Dataflow:
                        for m in self.model_ids}
         self.max_skips = min(config.curator_max_skips or len(self.source), MAX_CURATOR_SKIPS)
         self._skip_run = 0  # consecutive prompts the curators rejected (the safety valve's count)
+        #: largest batch each policy's trainers pulled since start: the demand cap's floor
+        self.largest_pull: dict[str, int] = dict.fromkeys(self.model_ids, 0)
         self._load_plugin_state()
         self._rebuild_queues()
         self.replay_pools = {m: ReplayPool(config.replay.pool_size, config.replay.max_staleness,
@@ -122,6 +128,7 @@ class Dataflow:
                 self.store.set_meta("started_at", self.started_at)
             for m in self.model_ids:  # version 0 at a fresh start; any version a crash left unscheduled
                 self._maybe_schedule_eval(m, self.versions[m], time.time())
+        self.store.durability.wait()  # what opening wrote is on disk before the first answer
         log.info("dataflow state in %s: versions %s, queued %s, open train tasks %d",
                  self.state_dir, self.versions, {m: len(q) for m, q in self.queues.items()},
                  self.open_train)
@@ -409,7 +416,8 @@ class Dataflow:
         and the expiry counts as a failure of the instance that held it; new train tasks are
         drawn from the source only while fewer than ``max_inflight_tasks`` are open and some
         policy's queue plus what the open tasks will deliver stays under
-        ``max_buffered_samples``.
+        ``max_buffered_samples`` and under its demand cap (:meth:`lease_demand`: what its
+        trainers consume before those samples would go stale).
         """
         if not 0 <= max_tasks <= MAX_LEASE_TASKS:
             raise ServiceError(422, "max_tasks", f"must be in [0, {MAX_LEASE_TASKS}]")
@@ -421,6 +429,7 @@ class Dataflow:
             max_tasks = self._allowance(inst, max_tasks, now)
             deadline = now + cfg.lease_seconds
             out: list[Task] = []
+            demands = self.lease_demand() if max_tasks else {}
             with self.store.tx():
                 for kind in ("eval", "train"):
                     if len(out) >= max_tasks:
@@ -432,7 +441,7 @@ class Dataflow:
                             out.append(self._issue(row, instance_id, deadline, now))
                 created = 0
                 while (len(out) < max_tasks and set(self.model_ids) <= served
-                       and self._may_create_train_task(self.open_train + created)):
+                       and self._may_create_train_task(self.open_train + created, demands)):
                     row = self._create_train_task(now)
                     created += 1
                     out.append(self._issue(row, instance_id, deadline, now))
@@ -463,14 +472,38 @@ class Dataflow:
             tasks_timed=inst["tasks_timed"], median_s=median,
             suspect_failures=cfg.suspect_failures, slow_factor=cfg.slow_factor)
 
-    def _may_create_train_task(self, open_train: int) -> bool:
+    def _may_create_train_task(self, open_train: int,
+                               demands: dict[str, demand.Demand] | None = None) -> bool:
+        """Whether one more train task may be created with ``open_train`` already open: under
+        ``max_inflight_tasks``, and some policy whose queue plus expected samples is under both
+        ``max_buffered_samples`` and its demand cap (``demands``: :meth:`lease_demand`)."""
         cfg = self.config
         if open_train >= cfg.max_inflight_tasks:
             return False
         if cfg.mode == "sync":
             return self._round_needs_tasks()
         expected = open_train * cfg.group_size
-        return any(len(q) + expected < cfg.max_buffered_samples for q in self.queues.values())
+        demands = demands or {}
+        return any(len(q) + expected < cfg.max_buffered_samples
+                   and (m not in demands
+                        or demands[m].wants_task(len(q), open_train, cfg.group_size))
+                   for m, q in self.queues.items())
+
+    def lease_demand(self) -> dict[str, demand.Demand]:
+        """Per policy, what its trainers consume and the most outstanding samples (queued plus
+        expected from open train tasks) worth generating for it (:mod:`astralight.dataflow.demand`):
+        ``lease_demand_versions`` (default ``max_staleness + 1``) versions of its measured
+        consumption, never below its largest pull. Call with the lock held."""
+        cfg = self.config
+        versions = cfg.demand_versions() if cfg.mode == "async" else 0.0
+        out = {}
+        for m in self.model_ids:
+            current = self.versions[m]
+            counters = self.store.version_counters(m, since=max(0, current - demand.WINDOW))
+            out[m] = demand.policy_demand(counters, current, versions,
+                                          cfg.trainer_samples_per_version.get(m),
+                                          self.largest_pull[m])
+        return out
 
     def _round(self) -> int | None:
         """Sync mode: the current round (the version every policy has published), or None while
@@ -623,6 +656,23 @@ class Dataflow:
                     "filtered": len(samples) - len(entries) if row["kind"] == "train" else 0,
                     "duplicate": False}
 
+    def push_many(self, instance_id: str, items: list[tuple[str, list[Sample]]],
+                  now: float | None = None) -> list[dict | ServiceError]:
+        """Several tasks' pushes from one request: each item exactly as :meth:`push` of it alone
+        (idempotent per task, a later item of an already accepted task is a duplicate), its
+        reply or the :class:`ServiceError` push would raise, in order. One bad item does not
+        stop the others. Each item is its own transaction (the lock is released in between,
+        so pulls and leases are not held up by a big batch); the request waits once, at the
+        end, until all of them are durable."""
+        out: list[dict | ServiceError] = []
+        with self.lock.deferred():
+            for task_id, samples in items:
+                try:
+                    out.append(self.push(instance_id, task_id, samples, now=now))
+                except ServiceError as exc:
+                    out.append(exc)
+        return out
+
     def _filter_groups(self, row, samples: list[Sample]) -> tuple[set[int], PromptOutcome]:
         """Run the sample filters over each policy's group; returns the ids (``id()``) of the
         kept samples and the outcome the curators learn from (rewards before filtering)."""
@@ -709,6 +759,7 @@ class Dataflow:
         """
         self.check_pull(model_id, size)
         with self.lock:
+            self.largest_pull[model_id] = max(self.largest_pull[model_id], size)
             version = self.versions[model_id]
             queue, pool = self.queues[model_id], self.replay_pools[model_id]
             replay_stale = pool.drop_stale(version)
@@ -1195,10 +1246,13 @@ class Dataflow:
                          weight_oldest_version=index[0][0] if index else None,
                          weight_latest_full=fulls[-1] if fulls else None)
                 models[m] = c
+            for m, d in self.lease_demand().items():
+                models[m]["lease_demand"] = asdict(d)
             instances = self._instance_table(now)
             plugins = {name: {"class": type(p).__name__, "metrics": p.metrics()}
                        for name, p in self.named_plugins().items()}
             return {"time": now, "models": models, "instances": instances, "plugins": plugins,
+                    "durability": self.store.durability.counters(),
                     "tasks": {"open_train": self.open_train,
                               "open_eval": self.store.count_open_tasks("eval"),
                               "source_cursor": int(self.store.get_meta("source_cursor", 0))}}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 
 class ServiceError(Exception):
-    """A request the service refuses: ``status`` (4xx), the offending ``field`` and why."""
+    """A request the service refuses: ``status`` (4xx; 503 when the state cannot be made
+    durable), the offending ``field`` and why."""
 
     def __init__(self, status: int, field: str, message: str):
         super().__init__(f"{field}: {message}")

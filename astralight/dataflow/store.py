@@ -8,9 +8,14 @@ counters), the data plugins' state snapshots and the curator journal (what the c
 since the last snapshot). The in-memory fresh queues are a cache rebuilt from the ``samples``
 table on start.
 
-``synchronous=FULL`` makes every commit fsync the WAL, so a push is answered only once its samples
-are on disk. The store is not thread-safe on its own: the service core serialises all access with
-one lock (SQLite serialises writers anyway) and wraps each request in one :meth:`Store.tx`.
+Durability: with ``group_commit`` (what the service uses by default) SQLite runs with
+``synchronous=NORMAL`` and :class:`~astralight.dataflow.durability.GroupSync` fsyncs the WAL for
+many commits at once; every :meth:`Store.tx` commit is numbered there, and the service core's
+lock waits for it before a request is answered (see :mod:`astralight.dataflow.durability`).
+Without it, ``synchronous=FULL`` makes every commit fsync the WAL itself. Either way a push is
+answered only once its samples are on disk. The store is not thread-safe on its own: the service
+core serialises all access with one lock (SQLite serialises writers anyway) and wraps each
+request in one :meth:`Store.tx`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from astralight.dataflow.durability import GroupSync, fsync_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -111,7 +118,9 @@ MIGRATIONS = {
 class Store:
     """A SQLite database under ``state_dir``; see the module docstring for what it holds."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, group_commit: bool = False):
+        """Open (or create) the database; ``group_commit``: see the module docstring (off: every
+        commit fsyncs, for tools and tests that use a Store directly)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per request.
@@ -121,10 +130,14 @@ class Store:
         if mode.lower() != "wal":
             raise RuntimeError(f"state_dir: SQLite at {self.path} refused WAL mode (got {mode}); "
                                "put state_dir on a local file system")
-        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute(f"PRAGMA synchronous={'NORMAL' if group_commit else 'FULL'}")
         self.conn.execute("PRAGMA busy_timeout=10000")
         self.conn.executescript(SCHEMA)
         self._migrate()
+        self.durability = GroupSync(Path(f"{self.path}-wal"), self.path, enabled=group_commit)
+        if group_commit:  # the schema on disk, and the files' names in their folder
+            self.durability.wait(self.durability.committed())
+            fsync_path(self.path.parent)
 
     def _migrate(self) -> None:
         """Columns added after a state folder may have been created (additive only)."""
@@ -142,7 +155,8 @@ class Store:
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; committed (and fsynced) on exit, rolled back on error."""
+        """One write transaction; committed on exit (numbered in :attr:`durability`; fsynced
+        there, or here without group commit), rolled back on error."""
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             yield self.conn
@@ -150,10 +164,14 @@ class Store:
             self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
+        self.durability.committed()
 
     def close(self) -> None:
+        """Make every commit durable, checkpoint the WAL into the database and close."""
         try:
+            self.durability.wait()
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.durability.mark_durable()
         finally:
             self.conn.close()
 

@@ -115,6 +115,30 @@ def push_env(ctx: Context, samples: list, task_id: str | None = None) -> dict:
                 "samples": samples})
 
 
+def push_item(body: dict) -> dict:
+    """A raw push body as one item of a push_many body: everything but its ``instance_id``."""
+    return {k: v for k, v in body.items() if k != "instance_id"}
+
+
+def as_push_many(rng: random.Random, req: BadRequest) -> BadRequest:
+    """The same bad push sent as ``POST /v1/push_many``: its body as the one item (or repeated:
+    every item bad), its ``instance_id`` the request's. Bodies that are not a push map (garbage,
+    malformed envelopes) stay pushes; the generic generators reach push_many directly."""
+    try:
+        env = msgpack.unpackb(req.body, raw=False, strict_map_key=False)
+    except Exception:
+        return req
+    if not (isinstance(env, dict) and isinstance(env.get("body"), dict)
+            and set(env) == {"schema", "body"}):
+        return req
+    body = env["body"]
+    many = {"items": [push_item(body)] * rng.choice([1, 1, 2, 3])}
+    if "instance_id" in body:
+        many = {"instance_id": body["instance_id"], **many}
+    return BadRequest(req.category, "POST", "/v1/push_many", pack({**env, "body": many}),
+                      dict(req.headers), replay=req.replay, no_auth=req.no_auth)
+
+
 def valid_group(ctx: Context, task_id: str | None = None) -> list[Sample]:
     return [sample(ctx, task_id or ctx.open_task, i, reward=float(i % 2))
             for i in range(ctx.group_size)]
@@ -138,6 +162,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "/v1/deregister": {"instance_id": "str"},
     "/v1/lease": {"instance_id": "str", "max_tasks": "int"},
     "/v1/push": {"instance_id": "str", "task_id": "str", "samples": "list"},
+    "/v1/push_many": {"instance_id": "str", "items": "list"},
     "/v1/pull": {"model_id": "str", "size": "int", "timeout_s": "num", "trainer_id": "str"},
     "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num", "step": "int"},
     "/v1/batches/extend": {"batch_id": "str"},
@@ -157,6 +182,8 @@ def base_body(ctx: Context, path: str) -> dict:
         "/v1/deregister": {"instance_id": ctx.instance_id},
         "/v1/lease": {"instance_id": ctx.instance_id, "max_tasks": 0},
         "/v1/push": push_env(ctx, valid_group(ctx))["body"],
+        "/v1/push_many": {"instance_id": ctx.instance_id, "items": [
+            push_item(push_env(ctx, valid_group(ctx))["body"])]},
         "/v1/pull": {"model_id": ctx.model_id, "size": 1, "timeout_s": 0.0, "trainer_id": "t"},
         "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2, "step": 1},
         "/v1/trainer/resumed": {"model_id": ctx.model_id, "step": 10**6},
@@ -656,6 +683,10 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/push"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                            "huge_array", "negative_size", "unknown_model", "replayed_push",
                            "out_of_order_version", "pickle_or_ext", "oversized", "bad_sample"),
+    ("POST", "/v1/push_many"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                                "huge_array", "negative_size", "unknown_model", "replayed_push",
+                                "out_of_order_version", "pickle_or_ext", "oversized",
+                                "bad_sample"),
     ("POST", "/v1/pull"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                            "negative_size", "unknown_model", "pickle_or_ext", "oversized"),
     ("POST", "/v1/ack"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
@@ -679,9 +710,16 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+#: share of the push-specific bad requests sent as push_many instead (:func:`as_push_many`)
+PUSH_MANY_SHARE = 0.35
+
+
 def generate(rng: random.Random, ctx: Context, category: str | None = None) -> BadRequest:
     name = category or rng.choice(sorted(c for c in CATEGORIES if ctx.token or c != "auth"))
-    return CATEGORIES[name](rng, ctx)
+    req = CATEGORIES[name](rng, ctx)
+    if req.path == "/v1/push" and isinstance(req.body, bytes) and rng.random() < PUSH_MANY_SHARE:
+        req = as_push_many(rng, req)
+    return req
 
 
 # ----------------------------------------------------------------------------- sending
@@ -749,7 +787,9 @@ def send(http, req: BadRequest, ctx: Context, timeout: float | None = 30.0) -> O
     if ok and req.replay:
         try:
             answer = msgpack.unpackb(r.content, raw=False)["body"]
-            bad = not (answer.get("duplicate") is True and answer.get("accepted") == 0)
+            replies = ([x.get("reply") or {} for x in answer["results"]]
+                       if req.path == "/v1/push_many" else [answer])
+            bad = not all(a.get("duplicate") is True and a.get("accepted") == 0 for a in replies)
         except Exception:
             bad = True
     return Outcome(r.status_code, bad, r.text[:300] if (bad or r.status_code >= 500) else "")

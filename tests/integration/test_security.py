@@ -283,7 +283,7 @@ def test_pickle_extension_and_oversized_payloads_get_a_4xx(tmp_path, services):
         "oversized": encode({"instance_id": iid}) + bytes(64 * 1024),
     }
     body_routes = [p for m, p in _app_routes(tmp_path) if m == "POST" and "{" not in p]
-    assert "/v1/push" in body_routes and "/v1/publish" in body_routes
+    assert {"/v1/push", "/v1/push_many", "/v1/publish"} <= set(body_routes)
     with httpx.Client(base_url=url, timeout=10) as http:
         for name, data in payloads.items():
             for path in body_routes:
