@@ -606,8 +606,25 @@ class RLPolicy(pl.LightningModule):
                  batch_size=n_samples)
         return metrics["loss"]
 
+    @staticmethod
+    def staleness_reference(batch: dict) -> int | None:
+        """The version staleness is measured against: the batch's ``trainer_version`` (the
+        version of the weights this step is applied to, stamped by the datamodule from the
+        WeightPublisher), else -- no publisher numbers this trainer's weights -- the
+        ``policy_version`` the dataflow knew when serving it; None if neither is there."""
+        version = batch.get("trainer_version")
+        if version is None:
+            version = batch.get("policy_version")
+        return None if version is None else int(version)
+
     def _batch_stats(self, batch: dict, prepared: dict) -> dict[str, Tensor]:
-        """Reward, advantage and staleness statistics of the batch (detached scalars)."""
+        """Reward, advantage and staleness statistics of the batch (detached scalars).
+
+        ``staleness_mean`` / ``staleness_max``: per sample with loss tokens, the reference
+        version (:meth:`staleness_reference`) minus the oldest version behind its loss-masked
+        tokens; mean / max over those samples. ``policy_version`` is the dataflow's version at
+        serving, ``trainer_version`` the trainer's own (when known).
+        """
         rewards = prepared["rewards"]
         adv = prepared["sample_advantages"]
         mask = prepared["mask"]
@@ -621,17 +638,20 @@ class RLPolicy(pl.LightningModule):
             "response_tokens_mean": mask.sum(1).float().mean(),
             "zero_advantage_fraction": (adv == 0).float().mean(),
         }
-        version = batch.get("policy_version")
-        if version is not None:
+        reference = self.staleness_reference(batch)
+        if reference is not None:
             versions = prepared["versions"]
             has = mask.any(1)
             big = torch.iinfo(versions.dtype).max
             oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(1).values
             if bool(has.any()):
-                staleness = (int(version) - oldest[has]).float()
+                staleness = (reference - oldest[has]).float()
                 stats["staleness_mean"] = staleness.mean()
                 stats["staleness_max"] = staleness.max()
-            stats["policy_version"] = torch.tensor(float(version))
+        if batch.get("policy_version") is not None:
+            stats["policy_version"] = torch.tensor(float(batch["policy_version"]))
+        if batch.get("trainer_version") is not None:
+            stats["trainer_version"] = torch.tensor(float(batch["trainer_version"]))
         return {k: v.detach().float() for k, v in stats.items()}
 
 

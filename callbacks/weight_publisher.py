@@ -1,7 +1,10 @@
 """``WeightPublisher``: publishes the policy's weights as bf16 bit-diff deltas, off the step.
 
 After every ``every_n_steps`` optimizer steps the callback publishes version
-``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model).
+``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model). That is
+also the trainer's own version of its current weights (:meth:`WeightPublisher.weights_version`),
+which the datamodule stamps on every batch as ``trainer_version`` and ``train/staleness_*`` is
+measured against.
 
 What the training thread does, and what it does not
 ---------------------------------------------------
@@ -365,6 +368,23 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         self.enqueued = 0
 
     # ---------------------------------------------------------------- client
+
+    # ---------------------------------------------------------------- versions
+
+    def weights_version(self, global_step: int) -> int:
+        """The policy version of the weights after ``global_step`` optimizer steps: the version
+        this callback publishes them as (``global_step // every_n_steps``), whether or not that
+        publication has reached the dataflow yet.
+
+        The trainer's own version, which staleness is measured against
+        (:meth:`astralight.datamodules.RolloutDataModule.trainer_version`): the dataflow's version
+        lags it while a publication is in flight. After a resume ``global_step`` is the
+        checkpoint's, so this is the version of the restored weights. A trainer resumed behind
+        the dataflow (versions up to the dataflow's are skipped, see :meth:`on_train_start`)
+        trains weights numbered below versions the RaaS still sample from, so staleness reads
+        negative until its steps pass them: those samples came from weights the crash lost.
+        """
+        return int(global_step) // self.every_n_steps
 
     # ---------------------------------------------------------------- extension points
 

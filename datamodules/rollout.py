@@ -13,6 +13,12 @@ DataModule performs the HTTP pull in ``on_before_batch_transfer``, i.e. exactly 
 about to train that batch (after the previous step and its callbacks, weight publication
 included). Iterating :class:`RolloutStream` directly (``lazy=False``) pulls eagerly instead.
 
+Why every batch carries ``trainer_version``: staleness (``train/staleness_*``) is the number of
+versions between the weights that sampled a token and the weights the optimizer step is applied
+to. The trainer knows the latter (:meth:`RolloutDataModule.trainer_version`, from its
+WeightPublisher); the batch's ``policy_version`` is only what the dataflow knew when serving it,
+one version behind whenever the last publication had not arrived yet.
+
 Why a keep-alive (:class:`BatchKeepAlive`): the dataflow re-queues a batch not acknowledged within
 its ``batch_ack_timeout_s`` (a trainer that died never will), and may serve it again to the next
 pull. A live trainer whose step outlasts the timeout (long rollouts of a big model) would then ack
@@ -48,13 +54,17 @@ PAD_ID = 0
 WAIT_LOG_EVERY_S = 30.0
 
 
-def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID) -> dict[str, Any]:
+def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID,
+                  trainer_version: int | None = None) -> dict[str, Any]:
     """A protocol ``Batch`` -> the trainer batch dict (right-padded to the longest).
 
     Keys: ``input_ids`` / ``attention_mask`` / ``versions`` long ``[B, T]`` (versions -1 on
     padding), ``loss_mask`` / ``behaviour_logprobs`` float ``[B, T]``, ``advantages`` /
     ``rewards`` float ``[B]``, ``temperature`` float64 ``[B]`` (NaN where a sample did not say),
-    and plain ``batch_id``, ``model_id``, ``policy_version``, ``wait_s``, ``task_ids``.
+    and plain ``batch_id``, ``model_id``, ``policy_version`` (the dataflow's current version
+    when it served the batch), ``trainer_version`` (the version of the weights the trainer
+    will step with this batch, or None when unknown: see
+    :meth:`RolloutDataModule.trainer_version`), ``wait_s``, ``task_ids``.
     """
     samples = batch.samples
     if not samples:
@@ -89,6 +99,7 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID) -> dict
         "batch_id": batch.batch_id,
         "model_id": batch.model_id,
         "policy_version": int(batch.policy_version),
+        "trainer_version": None if trainer_version is None else int(trainer_version),
         "wait_s": float(wait_s),
         "task_ids": [s.task_id for s in samples],
     }
@@ -219,14 +230,18 @@ class RolloutStream(IterableDataset):
 
     ``client_fn`` builds the client in the iterating process (the client is not shared across
     processes). Raises ``TimeoutError`` when ``max_wait_s`` passes without a batch.
+    ``trainer_version_fn``, if given, is asked at each pull for the trainer's own weight
+    version, carried in the batch as ``trainer_version``.
     """
 
     def __init__(self, client_fn: Callable[[], Any], model_id: str, batch_size: int,
                  pull_timeout_s: float = 30.0, max_wait_s: float | None = None,
                  trainer_id: str | None = None, lazy: bool = False, where: str = "dataflow",
-                 on_pull: Callable[[Any], None] | None = None):
+                 on_pull: Callable[[Any], None] | None = None,
+                 trainer_version_fn: Callable[[], int | None] | None = None):
         super().__init__()
         self.on_pull = on_pull  # called with each protocol Batch as soon as it is pulled
+        self.trainer_version_fn = trainer_version_fn
         self.client_fn = client_fn
         self.model_id = model_id
         self.batch_size = batch_size
@@ -269,7 +284,8 @@ class RolloutStream(IterableDataset):
                 self.pulled += 1
                 if self.on_pull is not None:
                     self.on_pull(batch)
-                return collate_batch(batch, wait_s=now - start)
+                version = self.trainer_version_fn() if self.trainer_version_fn else None
+                return collate_batch(batch, wait_s=now - start, trainer_version=version)
             waited = now - start
             if self.max_wait_s is not None and waited >= self.max_wait_s:
                 raise TimeoutError(
@@ -360,7 +376,33 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
     def stream(self, lazy: bool = True) -> RolloutStream:
         return RolloutStream(lambda: self.client, self.model_id, self.batch_size,
                              self.pull_timeout_s, self.max_wait_s, self._trainer_id(), lazy=lazy,
-                             where=self.dataflow_url, on_pull=self._on_pull)
+                             where=self.dataflow_url, on_pull=self._on_pull,
+                             trainer_version_fn=self.trainer_version)
+
+    def trainer_version(self) -> int | None:
+        """The policy version of the weights this trainer's next optimizer step is applied to
+        (what ``train/staleness_*`` is measured against), or None when no callback numbers them.
+
+        It is the version the trainer's WeightPublisher publishes its current weights as:
+        ``global_step // every_n_steps``, asked of the first callback with a
+        ``weights_version(global_step)`` method whose ``model_id`` is this policy's (or not yet
+        set). The pull happens in :meth:`on_before_batch_transfer`, after the previous step and
+        its callbacks, so ``global_step`` there counts every step before the one this batch
+        trains; after a resume Lightning has restored it from the checkpoint.
+
+        Not the batch's ``policy_version``: that is the version the dataflow knew when it served
+        the batch, which lags the trainer's own while a publication is still on its way
+        (publication runs off the step), so staleness measured against it reads one version low.
+        """
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return None
+        for callback in getattr(trainer, "callbacks", None) or []:
+            weights_version = getattr(callback, "weights_version", None)
+            policy = getattr(callback, "model_id", None)
+            if callable(weights_version) and policy in (None, self.model_id):
+                return int(weights_version(trainer.global_step))
+        return None
 
     # ---------------------------------------------------------------- keep-alive
 
