@@ -423,6 +423,7 @@ def _balance_report(url: str, model_id: str, window: int, path: Path) -> dict | 
     line = (f"versions {report['versions'][0]}..{report['versions'][1]}: wait fraction "
             f"{report['wait_fraction']:.1%}, produced {report['produced']}, accepted "
             f"{report['accepted']}, consumed {report['consumed']}, stale {report['stale']}, "
+            f"weight pause {report.get('weight_pause_s', 0):.2f}s (RaaS total), "
             f"pool {d.get('pool')} -> {d.get('action')} {d.get('target')} ({d.get('reason')})")
     with open(path, "a") as f:
         f.write(line + "\n" + json.dumps(report) + "\n")
@@ -531,6 +532,48 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "per_version": per_version,
         "rollout_capacity_seconds": rollout_capacity_seconds(stats.get("instances")),
     }
+
+
+TIME_TO_ACCURACY = 0.85
+"""The accuracy ``wall_s_to_085`` in the summary is measured to."""
+
+
+def trainer_wait_fraction(counters: dict) -> float | None:
+    """The share of the trainer's step time it spent waiting for a batch, over the whole run
+    (the dataflow's ``trainer_wait_ms`` / ``trainer_step_ms``; None before any timed step)."""
+    step = float(counters.get("trainer_step_ms") or 0)
+    return round(float(counters.get("trainer_wait_ms") or 0) / step, 4) if step > 0 else None
+
+
+def wall_s_to_accuracy(state_dir: Path, model_id: str, evals: dict, threshold: float) -> float | None:
+    """Seconds from the dataflow's start to the publication of the first version whose complete
+    evaluation reached ``threshold`` (avg@k); None when none did or the state does not say.
+
+    Publication time, not the eval's end: it measures how fast training got there, not how long
+    the asynchronous evaluation took to report. Read from the dataflow's SQLite state (read only).
+    """
+    import sqlite3
+
+    reached = sorted(int(v) for v, r in evals.items()
+                     if r.get("complete") and float(r.get("avg_at_k") or 0) >= threshold)
+    db = Path(state_dir) / "dataflow.db"
+    if not reached or not db.exists():
+        return None
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            start = con.execute("SELECT value FROM meta WHERE key='started_at'").fetchone()
+            if reached[0] == 0:
+                return 0.0
+            row = con.execute("SELECT published_at FROM version_times WHERE model_id=? AND "
+                              "version=?", (model_id, reached[0])).fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    if start is None or row is None:
+        return None
+    return round(float(row[0]) - float(start[0]), 1)
 
 
 def _affinity(spec: dict) -> dict[str, list[int]]:
@@ -884,6 +927,10 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(stats, evals, per_version, model_id, target)
         summary["balance"] = last_balance
+        summary["trainer_wait_fraction"] = trainer_wait_fraction(summary["counters"])
+        summary["wall_s_to_085"] = wall_s_to_accuracy(
+            Path(recipe["dataflow"].get("state_dir") or run_dir / "dataflow"), model_id, evals,
+            TIME_TO_ACCURACY)
         state = _save_launch_state(run_dir, prior, sup, comps)
         summary["trainer_seconds"] = state["trainer_seconds"]
         summary.update(restarts=state["restarts"], restart_events=state["restart_events"],

@@ -24,7 +24,8 @@ YAML keys (defaults in brackets)::
     seed: 0                       # engines without their own seed get seed + index
     weight_check_interval_s: 2.0, background_weight_sync: true,
     progress_interval_s: 10.0, heartbeat_interval_s: null (= lease_seconds / 3),
-    instance_id: null, token: null (or env ASTRALIGHT_TOKEN), max_cycles: null,
+    instance_id: null, token: null (or env ASTRALIGHT_TOKEN), max_cycles: null (stop after this
+    many lease calls and finish the episodes in flight),
     dataflow_give_up_s: 600 (exit 1 when every dataflow call has failed for this long),
     push_concurrency: 8 (push requests in flight at once, each carrying every finished task
     that is ready; hides a far dataflow's round-trip time),
@@ -118,7 +119,8 @@ def build_parser():
     p.add_argument("--heartbeat_interval_s", type=Optional[float], default=None)
     p.add_argument("--instance_id", type=Optional[str], default=None)
     p.add_argument("--max_cycles", type=Optional[int], default=None,
-                   help="stop after this many lease cycles (benchmarks, tests)")
+                   help="stop after this many lease calls, then finish the episodes in flight "
+                        "(benchmarks, tests)")
     p.add_argument("--dataflow_give_up_s", type=float, default=600.0,
                    help="exit 1 when the dataflow has failed every call for this long")
     p.add_argument("--push_concurrency", type=int, default=8,

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -47,8 +48,10 @@ class SamplingSpec:
             The stop token is part of the completion and is trained on.
         seed: if set, this request samples with its own generator seeded ``seed``;
             ``generate_many`` / ``generate_batch`` give request ``i`` the seed ``seed + i`` (the
-            same prompt repeated ``n`` times still gets ``n`` different samples). If None the
-            engine's own seeded generator is used.
+            same prompt repeated ``n`` times still gets ``n`` different samples), and workflows
+            derive each request's seed from the task id too (:meth:`for_request` with ``key``),
+            so two tasks with the same prompt get different samples. If None the engine's own
+            seeded generator is used.
     """
 
     temperature: float = 1.0
@@ -66,11 +69,13 @@ class SamplingSpec:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
-    def for_request(self, i: int) -> "SamplingSpec":
-        """The spec of request ``i`` of a many-request call (its own seed, if seeded)."""
-        if self.seed is None or i == 0:
+    def for_request(self, i: int, key: str = "") -> "SamplingSpec":
+        """The spec of request ``i`` of a many-request call: its own seed, if seeded,
+        ``seed + i``, offset by a stable hash of ``key`` (a task id) when one is given."""
+        if self.seed is None or (i == 0 and not key):
             return self
-        return dataclasses.replace(self, seed=self.seed + i)
+        offset = zlib.crc32(key.encode()) if key else 0
+        return dataclasses.replace(self, seed=(self.seed + offset + i) % (1 << 31))
 
 
 @dataclass

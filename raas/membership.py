@@ -82,6 +82,17 @@ class Membership:
     def _on_stop(self, hard: bool = False) -> None:  # noqa: B027 - the service overrides it
         """A drain (``hard=False``) or hard stop began."""
 
+    def _heartbeat_stats(self) -> dict:
+        """``{"stats": {...}}`` for the heartbeat: the engines' weight-update figures summed
+        (the balance report shows the pause), or nothing when the engines keep none."""
+        totals: dict[str, float] = {}
+        for entry in self.engine_stats().values():
+            for key, value in entry.items():
+                if key != "weight_pause_s_last":
+                    key = "weight_pause_s" if key == "weight_pause_s_total" else key
+                    totals[key] = totals.get(key, 0.0) + float(value)
+        return {"stats": totals} if totals else {}
+
     def register(self, client: Any = None) -> None:
         """Register under this instance's id (one made up the first time), with its capacity."""
         with self._register_lock:
@@ -129,7 +140,8 @@ class Membership:
         client = client or self.client
         seen = self._registrations
         try:
-            reply = client.heartbeat(self.instance_id, in_flight=self.in_flight_count())
+            reply = client.heartbeat(self.instance_id, in_flight=self.in_flight_count(),
+                                     **self._heartbeat_stats())
         except Exception as exc:  # the main loop notices a dead dataflow too
             if _status(exc) == 404:  # (the heartbeat names nothing else that could be unknown)
                 try:
@@ -212,7 +224,7 @@ class Membership:
             self.drain(name)
 
     def drain(self, reason: str) -> None:
-        """Stop leasing; the cycles in flight finish and push, then :meth:`leave` runs.
+        """Stop leasing; the episodes in flight finish and push, then :meth:`leave` runs.
 
         Idempotent (the heartbeat repeats the dataflow's request). After ``drain_timeout_s``
         a drain that has not finished becomes a hard stop.

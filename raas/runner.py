@@ -37,6 +37,8 @@ log = logging.getLogger("astralight.raas")
 
 PUSH_BATCH_TASKS = 64
 """Most tasks one push request carries."""
+LEASE_GATHER_S = 0.01
+"""With fewer than an eighth of the slots free, wait this long for more before leasing."""
 
 
 @dataclass
@@ -152,6 +154,11 @@ class EpisodeRunner:
                 if free <= 0:
                     await self._nap(None)
                     continue
+                if free < max(1, cfg.max_concurrency // 8) and self.episodes:
+                    # a few slots free: let more end first (short episodes end in bursts), so a
+                    # lease carries several tasks instead of one round trip per task
+                    await asyncio.sleep(LEASE_GATHER_S)
+                    free = cfg.max_concurrency - len(self.episodes)
                 granted = await self._lease(free)
                 if granted is None:  # the dataflow failed; give up or back off
                     if self.exit_code:

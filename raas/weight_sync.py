@@ -23,10 +23,11 @@ or partial download never reaches the engine.
 
 Off the generation path. With ``background=True`` a thread downloads (files of at least
 ``stream_min_bytes`` are streamed to ``download_dir`` with HTTP Range resume instead of being held
-in memory), verifies and applies versions to the shadow copy while the engine generates. Between
-lease cycles the service calls :meth:`WeightSync.apply_ready`, which pays only the engine's
-in-place load (the "refresh pause") and never waits for the thread: if the thread is applying a
-version right then, the load is simply left to the next cycle.
+in memory), verifies and applies versions to the shadow copy while the engine generates. The
+RaaS's refresh loop calls :meth:`WeightSync.refresh` (on an executor thread) every ~0.1 s while
+episodes run: it pays only the engine's in-place load, which the engine applies between two of
+its steps with requests in flight (the "refresh pause"), and never waits for the thread: if the
+thread is applying a version right then, the load is simply left to the next call.
 
 Pushing only what changed. The sync remembers the tensor table (per-tensor sha256) of what the
 engine holds. A refresh sends the tensors whose checksum differs, expanded by the engine's
@@ -298,7 +299,7 @@ class WeightSync:
 
         Sends only the tensors whose checksum differs from what the engine holds (whole engine
         modules). Returns None at once, without waiting, while the background thread is applying
-        a version (unless ``wait``); the next cycle loads it.
+        a version (unless ``wait``); the next call loads it.
         """
         if not self._lock.acquire(blocking=wait):
             return None
@@ -357,7 +358,7 @@ class WeightSync:
         load(tensors, version, adapter)
 
     def refresh(self, force: bool = False) -> float | None:
-        """Between cycles. Foreground mode: check (at most every check_interval_s) then load;
+        """The refresh loop's call. Foreground mode: check (at most every check_interval_s) then load;
         background mode: just load what the thread has verified. ``force`` checks now in either
         mode, ignoring any backoff, and waits for the load (e.g. an eval task for a version the
         engine does not have yet)."""

@@ -328,6 +328,11 @@ def num_field(msg: dict, name: str, lo: float, hi: float, default: Any = _REQUIR
     return float(value)
 
 
+HEARTBEAT_STATS = ("weight_pause_s", "weight_updates", "requests_spanning_update",
+                   "requests_restarted")
+"""What a RaaS may report in its heartbeat's ``stats`` (cumulative, non-negative numbers)."""
+
+
 def only_fields(msg: dict, allowed: tuple[str, ...]) -> dict:
     """Refuse fields a route does not know (a typo would otherwise be ignored silently)."""
     for key in msg:
@@ -579,9 +584,13 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return msgpack_response(await run_in_threadpool(_register, await read_body(request, limit)))
 
     def _heartbeat(data: bytes) -> dict:
-        msg = decode_map(data, limit, ("instance_id", "in_flight"))
+        msg = decode_map(data, limit, ("instance_id", "in_flight", "stats"))
         in_flight = int_field(msg, "in_flight", 0, MAX_COUNT, None)
-        return core.heartbeat(id_field(msg, "instance_id"), in_flight)
+        stats = field(msg, "stats", dict, None)
+        if stats is not None:
+            only_fields(stats, HEARTBEAT_STATS)
+            stats = {k: num_field(stats, k, 0.0, 1e12) for k in stats}
+        return core.heartbeat(id_field(msg, "instance_id"), in_flight, stats=stats)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request):

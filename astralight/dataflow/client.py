@@ -203,11 +203,15 @@ class DataflowClient:
                                                    "instance_id": instance_id, "meta": meta or {},
                                                    "capacity_units": float(capacity_units)})
 
-    def heartbeat(self, instance_id: str, in_flight: int | None = None) -> dict:
-        """Renew; the reply's ``drain`` says the dataflow wants this instance to drain."""
+    def heartbeat(self, instance_id: str, in_flight: int | None = None,
+                  stats: dict | None = None) -> dict:
+        """Renew; the reply's ``drain`` says the dataflow wants this instance to drain.
+        ``stats``: cumulative figures for the instance table (``weight_pause_s``, ...)."""
         body: dict = {"instance_id": instance_id}
         if in_flight is not None:
             body["in_flight"] = int(in_flight)
+        if stats:
+            body["stats"] = {k: float(v) for k, v in stats.items()}
         return self._call("POST", "/v1/heartbeat", body)
 
     def drain(self, instance_id: str) -> dict:

@@ -104,6 +104,8 @@ class Dataflow:
                        for m in self.model_ids}
         self.max_skips = min(config.curator_max_skips or len(self.source), MAX_CURATOR_SKIPS)
         self._skip_run = 0  # consecutive prompts the curators rejected (the safety valve's count)
+        #: what each RaaS reported in its last heartbeat (``stats``): weight pauses, ...
+        self.instance_stats: dict[str, dict] = {}
         #: largest batch each policy's trainers pulled since start: the demand cap's floor
         self.largest_pull: dict[str, int] = dict.fromkeys(self.model_ids, 0)
         self._load_plugin_state()
@@ -333,9 +335,12 @@ class Dataflow:
                 "versions": dict(self.versions)}
 
     def heartbeat(self, instance_id: str, in_flight: int | None = None,
-                  now: float | None = None) -> dict:
+                  now: float | None = None, stats: dict | None = None) -> dict:
         """Renew an instance; ``drain`` in the reply tells a draining (or deregistered) one to
-        finish or return its tasks and deregister."""
+        finish or return its tasks and deregister. ``stats``: the instance's own cumulative
+        figures (its engines' weight-update pause), kept in memory for the instance table and
+        the balance report (an observation, not state: a restart forgets it until the next
+        heartbeat)."""
         if in_flight is not None and in_flight < 0:
             raise ServiceError(422, "in_flight", f"must be >= 0 tasks, got {in_flight}")
         with self.lock:
@@ -344,6 +349,8 @@ class Dataflow:
                 self.store.touch_instance(instance_id, time.time() if now is None else now)
                 if in_flight is not None:
                     self.store.set_reported_in_flight(instance_id, int(in_flight))
+            if stats:
+                self.instance_stats[instance_id] = dict(stats)
             return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
                     "versions": dict(self.versions),
                     "drain": inst["state"] in (membership.DRAINING, membership.LEFT)}
@@ -1183,8 +1190,12 @@ class Dataflow:
     def _instance_table(self, now: float) -> list[dict]:
         """Registered RaaS instances (:func:`membership.instance_table`): capacity, state and
         status, held leases, task and sample counts, share of the samples pushed."""
-        return membership.instance_table(self.store.instances(), now, self.store.held_leases(now),
-                                         self.config.lease_seconds, self.config.suspect_failures)
+        table = membership.instance_table(self.store.instances(), now,
+                                          self.store.held_leases(now), self.config.lease_seconds,
+                                          self.config.suspect_failures)
+        for row in table:
+            row["reported"] = dict(self.instance_stats.get(row["instance_id"], {}))
+        return table
 
     def version_counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:
         """Counters of ``model_id`` per policy version: what happened while version v was current
@@ -1219,7 +1230,9 @@ class Dataflow:
                                        pool if pool is not None else len(live), wall_s=wall,
                                        capacity_units=sum(r["capacity_units"] for r in live))
         report.update(model_id=model_id, current_version=current, live_instances=len(live),
-                      instances=table)
+                      instances=table,
+                      weight_pause_s=round(sum(float(r["reported"].get("weight_pause_s", 0))
+                                               for r in table), 4))
         return report
 
     def eval_results(self, model_id: str) -> dict[int, dict]:

@@ -68,6 +68,8 @@ class BlockingEngineView:
         return self.inner.generate_batch(prompt_token_ids, params)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy / pickle build the object without __init__)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -85,6 +87,8 @@ class SyncWorkflowAdapter(Workflow):
         return list((out or {}).get(task.task_id, []))
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy / pickle build the object without __init__)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
@@ -129,22 +133,6 @@ def encode_text_prompt(engine: Any, text: str, chat: bool = False,
                     text)
         return None
     return ids
-
-
-async def generate_round(engine: Any, model_id: str, jobs: list[tuple[Task, list[int], Any]],
-                         sampling_for: Callable[[str], Any]) -> list[tuple]:
-    """One step of a multi-step workflow: generate for every job at once (one request each).
-
-    ``jobs`` are ``(task, prompt_ids, key)``; ``sampling_for("train" | "eval")`` gives the
-    sampling. Returns ``(key, prompt_ids, completion, version, sampling)`` per job, in order,
-    where version is that of the completion's first token.
-    """
-    specs = [sampling_for("eval" if job[0].kind == "eval" else "train") for job in jobs]
-    version = int(engine.version)
-    comps = await asyncio.gather(*(engine.generate(ids, spec.for_request(i))
-                                   for i, ((_, ids, _), spec) in enumerate(zip(jobs, specs))))
-    return [(key, ids, c, version if c.version is None else c.version, spec)
-            for (_, ids, key), c, spec in zip(jobs, comps, specs)]
 
 
 def check_roles(workflow: str, roles: dict[str, str], tasks: list[Task],

@@ -399,10 +399,10 @@ class CodeSolverTestGen(Workflow):
     async def _round(self, engines: dict[str, Any], role: str, task: Task,
                      prompts: list[list[int]], then=None) -> list[_Reply]:
         """Every prompt of one round of ``role`` in flight at once, replies in prompt order;
-        request ``i`` samples with ``spec.for_request(i)`` (its own seed when seeded)."""
+        request ``i`` samples with ``spec.for_request(i, task_id)`` (its own seed when seeded)."""
         engine = engines[self.roles[role]]
         spec = self._sampling(role, task.kind)
-        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i), then)
+        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i, task.task_id), then)
                                            for i, ids in enumerate(prompts))))
 
     def _sample(self, task: Task, role: str, index: _Indices, slot: int,

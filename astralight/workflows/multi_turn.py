@@ -195,7 +195,7 @@ class MultiTurnWorkflow(Workflow):
                 ep.end = "context_full"
                 break
             version = int(engine.version)
-            comp = await engine.generate(list(ep.ids), sampling.for_request(slot + turn * task.n))
+            comp = await engine.generate(list(ep.ids), sampling.for_request(slot + turn * task.n, task.task_id))
             ep.extend_action(comp, version)
             action = SingleTurnWorkflow.decode(engine.tokenizer, comp)
             ep.actions.append(action)

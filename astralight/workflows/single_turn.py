@@ -101,7 +101,7 @@ class SingleTurnWorkflow(Workflow):
 
         async def one(model_id, engine, index, g, prompt_ids) -> Sample:
             version = int(engine.version)
-            comp = await engine.generate(prompt_ids, sampling.for_request(g))
+            comp = await engine.generate(prompt_ids, sampling.for_request(g, task.task_id))
             text = self.decode(engine.tokenizer, comp)
             reward = float(await self.score(text, task.metadata))
             return completion_sample(task, model_id, index, g, prompt_ids, comp, version, reward,

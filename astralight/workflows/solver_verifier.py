@@ -293,13 +293,13 @@ class SolverVerifier(Workflow):
                      prompts: list[list[int]], score: bool) -> list[_Reply]:
         """Every prompt of one round of ``role`` in flight at once, replies in prompt order.
 
-        Request ``i`` samples with ``spec.for_request(i)`` (its own seed when seeded); ``score``
+        Request ``i`` samples with ``spec.for_request(i, task_id)`` (its own seed when seeded); ``score``
         rewards each answer against ``task.metadata`` as soon as it arrives.
         """
         engine = engines[self.roles[role]]
         spec = self._sampling(role, task.kind)
         metadata = task.metadata if score else None
-        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i), metadata)
+        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i, task.task_id), metadata)
                                            for i, ids in enumerate(prompts))))
 
     def _sample(self, task: Task, role: str, index: _Indices, slot: int,

@@ -253,3 +253,25 @@ def test_per_version_counters_reads_the_route():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
+    import sqlite3
+
+    from astralight.launch import trainer_wait_fraction, wall_s_to_accuracy
+
+    assert trainer_wait_fraction({"trainer_wait_ms": 30, "trainer_step_ms": 120}) == 0.25
+    assert trainer_wait_fraction({}) is None
+    con = sqlite3.connect(tmp_path / "dataflow.db")
+    con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    con.execute("CREATE TABLE version_times (model_id TEXT, version INTEGER, published_at REAL)")
+    con.execute("INSERT INTO meta VALUES ('started_at', '1000.0')")
+    con.executemany("INSERT INTO version_times VALUES ('policy', ?, ?)",
+                    [(10, 1030.0), (20, 1061.5), (30, 1090.0)])
+    con.commit()
+    con.close()
+    evals = {0: {"complete": True, "avg_at_k": 0.2}, 10: {"complete": True, "avg_at_k": 0.6},
+             20: {"complete": True, "avg_at_k": 0.86}, 30: {"complete": False, "avg_at_k": 0.9}}
+    assert wall_s_to_accuracy(tmp_path, "policy", evals, 0.85) == 61.5  # v20, published at +61.5
+    assert wall_s_to_accuracy(tmp_path, "policy", evals, 0.95) is None  # never reached
+    assert wall_s_to_accuracy(tmp_path / "none", "policy", evals, 0.85) is None  # no state

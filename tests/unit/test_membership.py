@@ -311,3 +311,17 @@ def test_a_state_folder_from_before_membership_opens_and_keeps_its_instances(tmp
     old = table(flow, now + 2)["old"]
     assert (old["tasks_done"], old["samples_pushed"], old["mean_task_s"]) == (1, 42, 2.0)
     flow.close()
+
+
+def test_heartbeat_stats_reach_the_instance_table_and_the_balance_report(tmp_path):
+    flow = make(tmp_path)
+    t0 = time.time()
+    a = flow.register(["policy"], 4, "a", {}, now=t0)["instance_id"]
+    b = flow.register(["policy"], 4, "b", {}, now=t0)["instance_id"]
+    flow.heartbeat(a, in_flight=1, now=t0 + 1, stats={"weight_pause_s": 0.25, "weight_updates": 3})
+    flow.heartbeat(b, now=t0 + 1, stats={"weight_pause_s": 0.5})
+    rows = table(flow, t0 + 2)
+    assert rows[a]["reported"] == {"weight_pause_s": 0.25, "weight_updates": 3}
+    assert flow.balance("policy", now=t0 + 2)["weight_pause_s"] == 0.75
+    flow.heartbeat(a, now=t0 + 3)  # no stats: the last report stands
+    assert table(flow, t0 + 3)[a]["reported"]["weight_pause_s"] == 0.25

@@ -48,6 +48,7 @@ class FakeDataflow(FakeStore):
         self.returned = []  # (task_id, failed)
         self.deregistered = []
         self.heartbeats = []  # in_flight of each heartbeat
+        self.heartbeat_stats = []  # stats of each heartbeat (None: none sent)
         self.drain_requested = False
         self.unknown_tasks = set()  # pushes of these answer 404 task_id (a fresh state)
         self.push_log = []  # every task id pushed, in order
@@ -58,8 +59,9 @@ class FakeDataflow(FakeStore):
         self.register_calls.append((instance_id, capacity_units))
         return {"instance_id": instance_id or "i0", "lease_seconds": 30.0}
 
-    def heartbeat(self, instance_id, in_flight=None):
+    def heartbeat(self, instance_id, in_flight=None, stats=None):
         self.heartbeats.append(in_flight)
+        self.heartbeat_stats.append(stats)
         return {"instance_id": instance_id, "lease_seconds": 30.0,
                 "drain": self.drain_requested}
 
@@ -527,6 +529,19 @@ def test_register_sends_capacity_units_and_heartbeat_reports_in_flight():
         svc.close()
 
 
+def test_the_heartbeat_reports_the_engines_weight_pauses():
+    engine = ScriptedEngine(build_tokenizer(), ["82"])
+    engine.weight_updates, engine.weight_pause_s_total, engine.weight_pause_s_last = 2, 0.3, 0.1
+    flow = FakeDataflow()
+    svc, _ = _service(flow, engine)
+    svc.start()
+    try:
+        svc.heartbeat_once()
+    finally:
+        svc.close()
+    assert flow.heartbeat_stats[-1] == {"weight_updates": 2.0, "weight_pause_s": 0.3}
+
+
 def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
     class DrainDuringLease(FakeDataflow):
         def lease(self, instance_id, max_tasks):
@@ -614,11 +629,11 @@ def test_a_heartbeat_404_rejoins_under_the_same_id_and_threads_register_once():
     class Forgetful(FakeDataflow):
         forget_heartbeat = False
 
-        def heartbeat(self, instance_id, in_flight=None):
+        def heartbeat(self, instance_id, in_flight=None, stats=None):
             if self.forget_heartbeat:
                 self.forget_heartbeat = False
                 raise NotFound("unknown instance", "instance_id")
-            return super().heartbeat(instance_id, in_flight)
+            return super().heartbeat(instance_id, in_flight, stats)
 
         def register(self, *a, **kw):
             time.sleep(0.05)  # slow enough for racing threads to overlap

@@ -122,10 +122,14 @@ def test_eval_sampling_and_seeds_per_request():
     engines = _arith_engines()
     samples = run_one(_wf(**seeded), _task("a", "1+2=", "3", n=2), engines)
     solver, verifier = engines["solver"], engines["verifier"]
-    # request i of a round gets seed + i: first attempts 10, 11; both rejected -> retries 10, 11
+    # request i of a round gets seed + crc32(task id) + i: first attempts k, k+1; both
+    # rejected -> retries k, k+1 (another task gets other seeds for the same prompt)
+    k = SamplingSpec(seed=10).for_request(0, "a").seed
+    assert k != 10 and SamplingSpec(seed=10).for_request(0, "b").seed != k
     assert [(t, sp.seed) for t, sp in solver.requests] == [
-        ("1+2=", 10), ("1+2=", 11), ("1+2=4?N;1+2=", 10), ("1+2=4?N;1+2=", 11)]
-    assert [sp.seed for _, sp in verifier.requests] == [20, 21]
+        ("1+2=", k), ("1+2=", k + 1), ("1+2=4?N;1+2=", k), ("1+2=4?N;1+2=", k + 1)]
+    v = SamplingSpec(seed=20).for_request(0, "a").seed
+    assert [sp.seed for _, sp in verifier.requests] == [v, v + 1]
     assert [s.metadata["team_correct"] for s in samples if s.role == "verifier"] == [1, 1]
     # an eval task samples with the eval specs, for both roles
     engines = _arith_engines()
