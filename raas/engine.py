@@ -164,6 +164,20 @@ class Engine(Protocol):
         ...
 
 
+async def gather_all(*aws: Any) -> list:
+    """``asyncio.gather`` that, when one awaitable fails, cancels the others (aborting their
+    engine requests) and waits for them before raising: an episode that failed leaves nothing
+    generating behind it."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class EngineBase:
     """The async / many / blocking entry points over one primitive, :meth:`submit`.
 
@@ -192,7 +206,7 @@ class EngineBase:
         futures = [self.submit(list(p), params.for_request(i)) for i, p in enumerate(prompts)]
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or one request failed: stop the others
             for f in futures:
                 if not f.done():
                     self.cancel(f)

@@ -41,6 +41,12 @@ LEASE_GATHER_S = 0.01
 """With fewer than an eighth of the slots free, wait this long for more before leasing."""
 
 
+def _log_unexpected(task: asyncio.Task) -> None:
+    """Done-callback: an episode or push task that died of something it did not handle."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("RaaS task %s failed unexpectedly", task.get_name(), exc_info=task.exception())
+
+
 @dataclass
 class Counters:
     """What the progress line reports (cumulative since start); :meth:`add` under one lock."""
@@ -61,6 +67,7 @@ class Counters:
     pushes_dropped: int = 0
     rejoins: int = 0
     episodes_cancelled: int = 0
+    reissued_while_running: int = 0
     peak_in_flight: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -91,10 +98,12 @@ class EpisodeRunner:
         self._push_queue: asyncio.Queue | None = None
         self._pushes: set[asyncio.Task] = set()
         self._failing_since: float | None = None
+        self._refused: list[str] = []  # tasks whose samples the dataflow refused (4xx)
         self.leases = 0
         self.exit_code = 0
         self._control: ThreadPoolExecutor | None = None
         self._push_pool: ThreadPoolExecutor | None = None
+        self._weights: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ thread-safe controls
 
@@ -125,6 +134,8 @@ class EpisodeRunner:
         self._push_queue = asyncio.Queue()
         if self._control is None:  # lease / return calls on the service's client, one at a time
             self._control = ThreadPoolExecutor(1, thread_name_prefix="raas-dataflow")
+            # weight loads never queue behind environment steps on the default executor
+            self._weights = ThreadPoolExecutor(2, thread_name_prefix="raas-weights")
             self._push_pool = ThreadPoolExecutor(self.config.push_concurrency,
                                                  thread_name_prefix="raas-push")
 
@@ -133,10 +144,10 @@ class EpisodeRunner:
         return await self.loop.run_in_executor(self._control, functools.partial(fn, *args))
 
     def close(self) -> None:
-        for pool in (self._control, self._push_pool):
+        for pool in (self._control, self._push_pool, self._weights):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._control = self._push_pool = None
+        self._control = self._push_pool = self._weights = None
 
     async def serve(self) -> int:
         """Lease and run until stopped (or ``max_cycles`` lease calls); return the exit code.
@@ -152,7 +163,8 @@ class EpisodeRunner:
             while not svc.stop_event.is_set():
                 free = cfg.max_concurrency - len(self.episodes)
                 if free <= 0:
-                    await self._nap(None)
+                    await self._nap(cfg.progress_interval_s)
+                    svc.maybe_progress()
                     continue
                 if free < max(1, cfg.max_concurrency // 8) and self.episodes:
                     # a few slots free: let more end first (short episodes end in bursts), so a
@@ -225,7 +237,14 @@ class EpisodeRunner:
         except Exception as exc:
             if _status(exc) in (404, 410):  # the dataflow forgot us (restarted, expired): rejoin
                 log.warning("lease refused (%s); registering again", exc)
-                await self._call(svc.rejoin, seen, client, "lease: the dataflow does not know us")
+                try:
+                    await self._call(svc.rejoin, seen, client,
+                                     "lease: the dataflow does not know us")
+                except Exception as again:  # noqa: BLE001 - e.g. the dataflow still restarting
+                    if raise_errors:
+                        raise
+                    self._dataflow_failed(again)
+                    return None
                 return 0
             if raise_errors:
                 raise
@@ -240,7 +259,7 @@ class EpisodeRunner:
         svc._track(ids)
         if svc.stop_event.is_set():  # a drain began while this lease was on the wire
             await self._call(svc.return_tasks, ids, False, "draining: leased, not started")
-            return len(tasks)
+            return 0
         name = getattr(self.workflow, "name", "")
         other = [t.task_id for t in tasks if name and t.workflow != name]
         if other:
@@ -248,12 +267,20 @@ class EpisodeRunner:
             log.error("%d leased task(s) want a workflow other than %r; returned for an "
                       "instance that runs theirs", len(other), name)
             await self._call(svc.return_tasks, other, False, f"workflow is not {name!r}")
+        started = 0
         for task in tasks:
-            if task.task_id not in other:
-                self.episodes[task.task_id] = asyncio.create_task(self._episode(task))
+            if task.task_id in other:
+                continue
+            if task.task_id in self.episodes:  # re-issued to us while its episode still runs
+                svc.counters.add(reissued_while_running=1)
+                continue  # (the running episode pushes it; a push is idempotent per task)
+            episode = asyncio.create_task(self._episode(task))
+            episode.add_done_callback(_log_unexpected)
+            self.episodes[task.task_id] = episode
+            started += 1
         with svc.counters._lock:
             svc.counters.peak_in_flight = max(svc.counters.peak_in_flight, len(self.episodes))
-        return len(tasks)
+        return started
 
     def _dataflow_failed(self, exc: BaseException) -> None:
         svc, cfg = self.service, self.config
@@ -278,7 +305,8 @@ class EpisodeRunner:
             self.service.counters.add(episodes_cancelled=1)
             raise
         finally:
-            self.episodes.pop(task.task_id, None)
+            if self.episodes.get(task.task_id) is asyncio.current_task():
+                del self.episodes[task.task_id]
             self._wake.set()
 
     async def _run_episode(self, task: Any) -> None:
@@ -301,6 +329,15 @@ class EpisodeRunner:
             await self._call(svc.return_tasks, [task.task_id], True, "the workflow raised")
             return
         svc.counters.add(generate_s=time.perf_counter() - start)
+        wrong = [s for s in samples or () if s.task_id != task.task_id
+                 or s.model_id not in task.model_ids]
+        if wrong:
+            svc.counters.add(workflow_errors=1)
+            log.error("task %s: the workflow returned %d sample(s) of another task or policy "
+                      "(e.g. task_id=%r model_id=%r); returned to the dataflow as failed",
+                      task.task_id, len(wrong), wrong[0].task_id, wrong[0].model_id)
+            await self._call(svc.return_tasks, [task.task_id], True, "samples of another task")
+            return
         if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
             svc.counters.add(empty_tasks=1)
             svc._untrack([task.task_id])  # left to expire (returning it would loop on it)
@@ -328,7 +365,7 @@ class EpisodeRunner:
                 want[mid] = max(want.get(mid, -1), int(version))
         for mid, version in want.items():
             if svc.engines[mid].version < version:
-                await asyncio.to_thread(svc.syncs[mid].refresh, True)
+                await self.loop.run_in_executor(self._weights, svc.syncs[mid].refresh, True)
                 if svc.engines[mid].version < version:
                     log.warning("task %s for %s v%d runs on v%d: that version could not be "
                                 "loaded", task.task_id, mid, version, svc.engines[mid].version)
@@ -337,7 +374,7 @@ class EpisodeRunner:
 
     async def _refresh_once(self) -> None:
         for sync in self.service.syncs.values():
-            await asyncio.to_thread(sync.refresh)
+            await self.loop.run_in_executor(self._weights, sync.refresh)
 
     async def _refresh_loop(self) -> None:
         """Load verified versions while episodes run (the pause is the engine's, between two
@@ -346,8 +383,8 @@ class EpisodeRunner:
         while True:
             try:
                 await self._refresh_once()
-            except Exception:  # noqa: BLE001 - the sync logs and counts its own failures
-                log.exception("weight refresh failed")
+            except Exception as exc:  # noqa: BLE001 - the sync logged, counted and backs off
+                log.debug("weight refresh failed: %s", exc)
             await asyncio.sleep(interval)
 
     # ------------------------------------------------------------------ pushing
@@ -361,6 +398,7 @@ class EpisodeRunner:
                 batch.append(self._push_queue.get_nowait())
             await limit.acquire()
             push = asyncio.create_task(self._push(batch, limit))
+            push.add_done_callback(_log_unexpected)
             self._pushes.add(push)
             push.add_done_callback(self._pushes.discard)
 
@@ -368,6 +406,13 @@ class EpisodeRunner:
         try:
             outcomes = await self.loop.run_in_executor(self._push_pool, self._push_blocking, batch)
             self._account(batch, outcomes)
+            refused, self._refused = self._refused, []
+            if refused:  # leased again at once elsewhere (failed: counts against this instance)
+                await self._call(self.service.return_tasks, refused, True,
+                                 "the dataflow refused its samples")
+        except Exception:  # noqa: BLE001 - never leave a batch's tasks tracked
+            log.exception("pushing %d task(s) failed", len(batch))
+            self.service._untrack([task.task_id for task, _ in batch])
         finally:
             limit.release()
             for _ in batch:
@@ -414,9 +459,10 @@ class EpisodeRunner:
     def _account(self, batch: list, outcomes: list) -> None:
         svc = self.service
         for (task, samples), outcome in zip(batch, outcomes):
-            svc._untrack([task.task_id])
+            status = _status(outcome) if isinstance(outcome, Exception) else None
+            if not (status and 400 <= status < 500 and status not in (404, 409, 410)):
+                svc._untrack([task.task_id])  # (a refused task stays tracked until returned)
             if isinstance(outcome, Exception):
-                status = _status(outcome)
                 if status in (404, 409, 410):  # unknown / never leased / gone: nothing to retry
                     svc.counters.add(pushes_dropped=1)
                     log.warning("push of task %s dropped: %s (a dataflow restarted on a fresh "
@@ -426,6 +472,8 @@ class EpisodeRunner:
                 log.error("push of task %s refused: %s", task.task_id, outcome)
                 if not status:  # None/0: the dataflow is unreachable
                     self._dataflow_failed(outcome)
+                elif 400 <= status < 500:  # the samples are bad: the task failed here
+                    self._refused.append(task.task_id)
                 continue
             self._failing_since = None
             svc.first_push_said()

@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            # measured on CPU: the in-process engine core starts in ~3 s instead of spawning one
+            # measured on CPU: the in-process engine core starts in ~3 s instead of spawning
+            # one (VLLMEngine runs vLLM's core in-process everywhere: its step driver needs it)
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     except ImportError:  # pragma: no cover
         pass

@@ -16,11 +16,15 @@ process, on one thread:
   in-process vLLM engines must never run forward passes at the same time (they share vLLM's
   global forward context; measured: two threads generating at once crash vLLM).
 
-Why not vLLM's ``AsyncLLM`` here: it always runs the engine core in a separate process; on this
+Why not vLLM's ``AsyncLLM``: it always runs the engine core in a separate process; on this
 project's 2-core machines that process boundary cost about 1.6x in throughput (measured for
-issue 15), while one in-process driver thread reached 0.64-0.78 of a single offline
-``LLM.generate`` call. ``astralight.raas.vllm_engine.VLLMEngine(backend="async")`` drives
-``AsyncLLM`` for GPUs, where its busy loop overlaps scheduling with the GPU.
+issue 15), while one in-process driver thread keeps up with a single offline ``LLM.generate``
+call (``tests/benchmarks/bench_raas_engine.py``). The engine core must be in-process for the
+guarantees above (``VLLMEngine`` forces it): a multiprocess core steps on its own and queues its
+outputs, so an update would no longer land between two steps. On GPUs the same path runs; an
+``AsyncLLM`` backend (its busy loop overlaps scheduling with the GPU, and it stamps versions
+itself with ``update_weight_version`` and ``CompletionOutput.weight_versions``) would be the
+next step there.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import gc
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -215,12 +216,22 @@ class VLLMEngine(EngineBase):
         self._driver = vllm_driver.shared()
         # built on the driver thread: its profiling forward pass must not overlap another
         # engine's step (every vLLM call of this engine runs there from now on)
+        # the engine core must run in this process: the driver's guarantees (an update lands
+        # between two steps; every token is stamped with the weights that sampled it) hold only
+        # when step() runs the core synchronously (vLLM's InprocClient). vLLM's multiprocess core
+        # steps on its own and queues outputs, so queued old-weight tokens would be stamped new.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = self._driver.call(lambda: LLM(**kwargs))
         self.start_s = time.perf_counter() - start
+        core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
+        if core != "InprocClient":
+            raise RuntimeError(f"VLLMEngine: vLLM started a {core} engine core; the step driver "
+                               "needs the in-process core (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         self.inflight_updates = inflight_updates
         self._id = f"e{next(_ENGINE_IDS)}"
         self._request_ids = itertools.count()
         self._live: dict[str, _Request] = {}  # driver thread only
+        self._closed = False
         self.requests_started = 0
         self.tokens_generated = 0  # tokens of finished requests
         self.tokens_stepped = 0  # every token any step produced (in flight or finished)
@@ -265,7 +276,7 @@ class VLLMEngine(EngineBase):
         """Queue one request; it joins the next engine step (continuous batching)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: empty prompt")
-        if self.llm is None:
+        if self.llm is None or self._closed:
             raise RuntimeError("VLLMEngine: closed")
         request = _Request(f"{self._id}-{next(self._request_ids)}", list(prompt_token_ids),
                            self._sampling_params(prompt_token_ids, params))
@@ -301,6 +312,9 @@ class VLLMEngine(EngineBase):
     def _add(self, request: "_Request") -> None:
         if not request.future.set_running_or_notify_cancel():
             return
+        if self._closed:
+            request.future.set_exception(RuntimeError("VLLMEngine: closed"))
+            return
         try:
             self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
                                             request.params, lora_request=self._lora)
@@ -335,7 +349,14 @@ class VLLMEngine(EngineBase):
             if out.finished:
                 del self._live[out.request_id]
                 self.tokens_generated += len(request.tokens)
-                request.finish(str(o.finish_reason))
+                reason = str(o.finish_reason)
+                if reason in ("abort", "error"):  # vLLM gave up on it (not our cancel: that
+                    # removes the request first): never hand a truncated rollout to a workflow
+                    request.future.set_exception(RuntimeError(
+                        f"vLLM finished request {out.request_id} with {reason!r} after "
+                        f"{len(request.tokens)} tokens"))
+                    continue
+                request.finish(reason)
 
     def fail_all(self, exc: BaseException) -> None:
         live, self._live = self._live, {}
@@ -384,6 +405,7 @@ class VLLMEngine(EngineBase):
             if self._lora is not None:  # a full-weight version is the whole policy: no adapter
                 log.info("full-weight version %s replaces adapter %s", version, self._lora.lora_name)
                 self._drop_adapter()
+                self._restart_live()  # (their requests named the adapter that just went)
             self._after_weights_changed(int(version))
             self._note_pause(time.perf_counter() - start)
 
@@ -394,20 +416,31 @@ class VLLMEngine(EngineBase):
         running = len(self._live)
         if running and self.inflight_updates == "abort":
             self._restart_live()
-            self.llm.llm_engine.reset_prefix_cache()
-        elif not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=bool(running)):
-            log.warning("prefix cache reset refused with %d request(s) running", running)
+        # preempts what runs (its KV is recomputed by the new weights) so the reset cannot be
+        # refused; vLLM raises if it still fails, and the update fails with it
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("update_weights: vLLM refused to reset its prefix cache")
         self.requests_spanning_update += running if self.inflight_updates == "keep" else 0
         self.version = int(version)
+        for request in self._live.values():
+            if not request.tokens:  # restarted (or not started): all of it is the new version
+                request.start_version = self.version
 
     def _restart_live(self) -> None:
+        """Restart every request in flight from its prompt (new id; what it had is dropped)."""
         live = list(self._live.values())
+        if not live:
+            return
         self.llm.llm_engine.abort_request([r.rid for r in live])
         self._live = {}
         for request in live:
             request.reset(f"{request.rid}r")
-            self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
-                                            request.params, lora_request=self._lora)
+            try:
+                self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
+                                                request.params, lora_request=self._lora)
+            except BaseException as exc:  # noqa: BLE001 - this request fails, the rest go on
+                request.future.set_exception(exc)
+                continue
             self._live[request.rid] = request
         self.requests_restarted += len(live)
 
@@ -474,7 +507,7 @@ class VLLMEngine(EngineBase):
                 self._restart_live()
             if old is not None:
                 self._remove_adapter(old)
-            self.llm.llm_engine.reset_prefix_cache()
+            self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
             self.adapter_loads += 1
             self.version = int(version)
             self._note_pause(time.perf_counter() - start)
@@ -487,7 +520,7 @@ class VLLMEngine(EngineBase):
             self._drop_adapter()
             if self._live:
                 self._restart_live()
-            self.llm.llm_engine.reset_prefix_cache()
+            self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
             if version is not None:
                 self.version = int(version)
 
@@ -549,6 +582,7 @@ class VLLMEngine(EngineBase):
             return
 
         def shutdown():
+            self._closed = True  # requests posted after this fail in _add
             self._driver.detach(self)
             self.fail_all(RuntimeError("VLLMEngine: closed with the request in flight"))
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)

@@ -134,7 +134,11 @@ class WeightSync:
         self._fail_version: int | None = None
         self._fail_count = 0
         self._retry_at = float("-inf")
+        self._load_fail_version: int | None = None  # a version the engine failed to load
+        self._load_fails = 0
+        self._load_retry_at = float("-inf")
         self._client = None
+        self._client_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ planning
@@ -294,12 +298,13 @@ class WeightSync:
 
     # ------------------------------------------------------------------ applying
 
-    def apply_ready(self, wait: bool = False) -> float | None:
+    def apply_ready(self, wait: bool = False, force: bool = False) -> float | None:
         """Load the shadow copy into the engine if it is newer; return the pause in seconds.
 
         Sends only the tensors whose checksum differs from what the engine holds (whole engine
         modules). Returns None at once, without waiting, while the background thread is applying
-        a version (unless ``wait``); the next call loads it.
+        a version (unless ``wait``); the next call loads it. A version the engine failed to load
+        is tried again only after a backoff (unless ``force``).
         """
         if not self._lock.acquire(blocking=wait):
             return None
@@ -308,6 +313,9 @@ class WeightSync:
             version = state.version
             if version is None or version <= self.engine.version:
                 return None
+            if (not force and version == self._load_fail_version
+                    and time.monotonic() < self._load_retry_at):
+                return None  # this version failed to load: back off before the next try
             table = state.manifest.tensors
             all_names = list(state.state)
             adapter = (state.manifest.metadata or {}).get("adapter")  # a LoRA policy's version
@@ -325,12 +333,17 @@ class WeightSync:
                 self.engine.version = int(version)
             else:
                 self._engine_tensors = None  # unknown until the load has succeeded
-                if adapter is not None:
-                    self._load_adapter(state.tensors(names), version, adapter)
-                elif partial:
-                    self.engine.update_weights(state.tensors(names), version, partial=True)
-                else:
-                    self.engine.update_weights(state.tensors(names), version)
+                try:
+                    if adapter is not None:
+                        self._load_adapter(state.tensors(names), version, adapter)
+                    elif partial:
+                        self.engine.update_weights(state.tensors(names), version, partial=True)
+                    else:
+                        self.engine.update_weights(state.tensors(names), version)
+                except Exception as exc:
+                    self._load_failed(version, exc)
+                    raise
+                self._load_fail_version, self._load_fails = None, 0
             self._engine_tensors = dict(table)
             pause = time.perf_counter() - start
         finally:
@@ -344,6 +357,20 @@ class WeightSync:
         log.info("%s: now on v%d (pushed %d of %d tensors, pause %.3f s)", self.model_id, version,
                  len(names), len(all_names), pause)
         return pause
+
+    def _load_failed(self, version: int, exc: BaseException) -> None:
+        """Count a failed engine load and back off before loading ``version`` again (the
+        refresh loop calls every ~0.1 s: without it a broken version would be re-sent whole, and
+        generation paused for it, ten times a second)."""
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._load_fails = self._load_fails + 1 if version == self._load_fail_version else 1
+        self._load_fail_version = version
+        self._load_retry_at = time.monotonic() + min(
+            self.max_backoff_s, self.min_backoff_s * 2 ** (self._load_fails - 1))
+        log.error("%s: loading v%d into the engine failed (%s); the engine stays on v%s, retry "
+                  "in %.0f s", self.model_id, version, self.last_error, self.engine.version,
+                  self._load_retry_at - time.monotonic())
 
     def _load_adapter(self, tensors: dict[str, Any], version: int, adapter: Any) -> None:
         """Hand a LoRA adapter version to the engine's adapter path (never to update_weights:
@@ -365,10 +392,11 @@ class WeightSync:
         now = time.monotonic()
         if force or (not self.background and now - self._last_check >= self.check_interval_s):
             self._last_check = now
-            if self._client is None:
-                self._client = self.client_factory()
+            with self._client_lock:  # the refresh loop and an eval's catch-up may race here
+                if self._client is None:
+                    self._client = self.client_factory()
             self._check_logged(self._client, force)
-        return self.apply_ready(wait=force or not self.background)
+        return self.apply_ready(wait=force or not self.background, force=force)
 
     def stats(self) -> dict:
         """Counters for progress lines and reports."""

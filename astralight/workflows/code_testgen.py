@@ -69,7 +69,7 @@ from itertools import count
 from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import Completion, SamplingSpec, gather_all
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
 from astralight.workflows.base import Workflow, check_roles, encode_text_prompt
@@ -402,7 +402,8 @@ class CodeSolverTestGen(Workflow):
         request ``i`` samples with ``spec.for_request(i, task_id)`` (its own seed when seeded)."""
         engine = engines[self.roles[role]]
         spec = self._sampling(role, task.kind)
-        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i, task.task_id), then)
+        return list(await gather_all(*(self._ask(engine, ids, spec.for_request(i, task.task_id),
+                                                 then)
                                            for i, ids in enumerate(prompts))))
 
     def _sample(self, task: Task, role: str, index: _Indices, slot: int,
@@ -471,7 +472,7 @@ class CodeSolverTestGen(Workflow):
         solver_ids = self._encode(solver, st.solver_prompt)
         testgen_ids = self._encode(testgen, fill(self.templates["testgen_prompt"],
                                                  problem=st.problem))
-        programs, suites = await asyncio.gather(
+        programs, suites = await gather_all(
             self._round(engines, "solver", st.task, [solver_ids] * n if solver_ids else []),
             self._round(engines, "testgen", st.task, [testgen_ids] * n if testgen_ids else []))
         for g, reply in enumerate(programs):

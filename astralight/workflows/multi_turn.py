@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec
+from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.workflows.base import Workflow, blocking, tokenize_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow
 
@@ -171,7 +171,7 @@ class MultiTurnWorkflow(Workflow):
                 raise KeyError(f"task.model_ids: no engine for {model_id!r}; this RaaS serves "
                                f"{sorted(engines)}")
             episodes += [(model_id, engine, g) for g in range(task.n)]
-        played = await asyncio.gather(*(self.play(task, engine, g)
+        played = await gather_all(*(self.play(task, engine, g)
                                         for _, engine, g in episodes))
         samples = []
         for (model_id, _, _), ep in zip(episodes, played):
@@ -195,7 +195,8 @@ class MultiTurnWorkflow(Workflow):
                 ep.end = "context_full"
                 break
             version = int(engine.version)
-            comp = await engine.generate(list(ep.ids), sampling.for_request(slot + turn * task.n, task.task_id))
+            spec = sampling.for_request(slot + turn * task.n, task.task_id)
+            comp = await engine.generate(list(ep.ids), spec)
             ep.extend_action(comp, version)
             action = SingleTurnWorkflow.decode(engine.tokenizer, comp)
             ep.actions.append(action)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import Completion, SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Workflow, blocking, tokenize_prompt
 
@@ -108,7 +108,7 @@ class SingleTurnWorkflow(Workflow):
                                      sampling.temperature, role=self.role_of.get(model_id, ""),
                                      text=text)
 
-        samples = await asyncio.gather(*(one(*job) for job in jobs))
+        samples = await gather_all(*(one(*job) for job in jobs))
         return sorted(samples, key=lambda s: s.sample_index)
 
     async def score(self, text: str, metadata: dict) -> float:

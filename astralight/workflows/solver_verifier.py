@@ -37,7 +37,7 @@ from itertools import count
 from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec
+from astralight.raas.engine import Completion, SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Workflow, blocking, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
@@ -299,7 +299,8 @@ class SolverVerifier(Workflow):
         engine = engines[self.roles[role]]
         spec = self._sampling(role, task.kind)
         metadata = task.metadata if score else None
-        return list(await asyncio.gather(*(self._ask(engine, ids, spec.for_request(i, task.task_id), metadata)
+        return list(await gather_all(*(self._ask(engine, ids, spec.for_request(i, task.task_id),
+                                                 metadata)
                                            for i, ids in enumerate(prompts))))
 
     def _sample(self, task: Task, role: str, index: _Indices, slot: int,

@@ -8,8 +8,8 @@ One run, several RaaS processes (each start-up costs a vLLM warm-up, so scenario
 * instance ``h`` (a transformers engine: cheap to start) gets SIGTERM, then SIGTERM again while
   its cycle is still busy: it returns what it holds, deregisters, and exits 130 at once;
 * instance ``b`` is started mid-run and pushes in its first lease cycle;
-* instance ``c`` (two cycles in flight, slowed by ``cycle_delay_s``) gets SIGTERM: it finishes its
-  cycles, holds nothing, deregisters ("left") and exits 0;
+* instance ``c`` (episodes in flight, slowed by ``cycle_delay_s``) gets SIGTERM: it finishes its
+  episodes, holds nothing, deregisters ("left") and exits 0;
 * the dataflow is restarted on the same port, on its state folder and then on a fresh one:
   ``b`` rejoins each time (registering again under its id on the fresh one) and pushes again,
   never restarted; finally ``b`` is drained through the dataflow's route and exits 0.
@@ -143,10 +143,10 @@ def test_kill_join_drain_and_rejoin(tmp_path, tiny_model_dir, dataflow_service, 
         held = lambda iid: [r[0] for r in _rows(  # noqa: E731
             db1, "SELECT task_id FROM tasks WHERE instance_id=? AND state='leased'", iid)]
 
-        # ---- a (never pushes: a 600 s delay), c (slowed, two cycles), h (transformers engine)
+        # ---- a (never pushes: a 600 s delay), c (slowed), h (transformers engine)
         a, a_log = _start_raas(tmp_path, svc.url, "a", _vllm(tiny_model_dir), cycle_delay_s=600.0)
         c, c_log = _start_raas(tmp_path, svc.url, "c", _vllm(tiny_model_dir), cycle_delay_s=1.0,
-                               concurrent_cycles=2, push_concurrency=4)
+                               push_concurrency=4)
         h, h_log = _start_raas(tmp_path, svc.url, "h", _hf(tiny_model_dir), cycle_delay_s=600.0)
         procs += [a, c, h]
 
@@ -179,13 +179,13 @@ def test_kill_join_drain_and_rejoin(tmp_path, tiny_model_dir, dataflow_service, 
 
         # ---- b joins mid-run and pushes in its first lease cycle
         b, b_log = _start_raas(tmp_path, svc.url, "b", _vllm(tiny_model_dir),
-                               concurrent_cycles=2, push_concurrency=4)
+                               push_concurrency=4)
         procs.append(b)
         first = watch(lambda: [ln for ln in text(b_log).splitlines()
                                if "raas first push" in ln], "b's first push", b)
-        # its two serve loops lease at once: the first push comes from one of their first cycles
-        cycle = int(first[0].split("lease cycle ")[1].split(",")[0])
-        assert cycle <= 2, first[0]
+        # leasing follows free slots: the first push comes from one of its first leases
+        lease = int(first[0].split("lease ")[1].split(",")[0])
+        assert lease <= 2, first[0]
         print(f"\nb: {first[0].split('raas ')[-1]}")
 
         # ---- a's tasks: re-issued after their lease expired, done by someone else
@@ -199,7 +199,7 @@ def test_kill_join_drain_and_rejoin(tmp_path, tiny_model_dir, dataflow_service, 
         assert "raas-a" not in owners
         assert client.stats()["models"]["policy"]["tasks_reissued"] >= len(a_tasks)
 
-        # ---- c: SIGTERM drains (cycles in flight finish and push), deregisters, exits 0
+        # ---- c: SIGTERM drains (episodes in flight finish and push), deregisters, exits 0
         watch(lambda: held("raas-c"), "raas-c holding leases", c)
         c.send_signal(signal.SIGTERM)
         assert c.wait(timeout=60) == 0

@@ -246,6 +246,7 @@ def test_refused_and_unreachable_pushes_are_counted_and_the_rest_delivered():
     assert sorted(flow.pushed) == ["t0", "t3"]  # every push was tried
     c = svc.counters
     assert (c.tasks_done, c.push_errors, c.samples_pushed, c.dataflow_errors) == (2, 2, 6, 1)
+    assert flow.returned == [("t1", True)]  # refused samples: the task failed here
     assert all(name.startswith("raas-push") for name in flow.threads)
     assert svc.in_flight_count() == 0
 
@@ -354,6 +355,74 @@ def test_a_freed_slot_is_leased_again_without_waiting_for_the_other_episodes():
         gate.set()
         svc.close()
     assert flow.push_log[-1] == "t0" and len(flow.push_log) == 12
+
+
+def test_unsupported_tasks_start_no_episode_and_a_failed_rejoin_is_a_dataflow_error():
+    flow = FakeDataflow([_task(0, workflow="multi_turn")])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.start()
+    try:
+        async def lease():
+            svc.runner._setup()
+            return await svc.runner._lease(2)
+
+        assert asyncio.run(lease()) == 0  # returned, not run: the loop naps before leasing again
+        assert flow.returned == [("t0", False)]
+
+        def refuse(*a, **kw):
+            raise NotFound("unknown instance", "instance_id")
+
+        def cannot_register(*a, **kw):
+            raise Unreachable("connection refused")
+
+        flow.lease, flow.register = refuse, cannot_register
+        svc.config.dataflow_give_up_s = 0.0
+        assert svc.serve() == 1  # counted and given up on, not a traceback out of serve()
+        assert svc.counters.dataflow_errors >= 1
+    finally:
+        svc.close()
+
+
+def test_a_task_reissued_while_its_episode_runs_is_not_started_twice():
+    class Reissue(FakeDataflow):
+        def lease(self, instance_id, max_tasks):
+            out = super().lease(instance_id, max_tasks)
+            if self.leased == ["t0"]:
+                self.tasks.append(_task(0))  # the dataflow hands t0 out again (lease expired)
+            return out
+
+    flow = Reissue([_task(0)])
+    engine = ScriptedEngine(build_tokenizer(), ["82"], delay_s=0.2)
+    svc, _ = _service(flow, engine, max_cycles=2)
+    svc.config.max_concurrency = 4
+    svc.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    assert flow.leased == ["t0", "t0"] and flow.push_log == ["t0"]
+    assert svc.counters.reissued_while_running == 1 and svc.in_flight_count() == 0
+
+
+def test_samples_of_another_task_fail_the_task():
+    class Confused(SingleTurnWorkflow):
+        async def run(self, task, engines):
+            samples = await super().run(task, engines)
+            for s in samples:
+                s.task_id = "someone-else"
+            return samples
+
+    flow = FakeDataflow([_task(0)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.config.workflow = Confused(ExactMatchReward())
+    svc.runner = type(svc.runner)(svc)
+    svc.start()
+    try:
+        assert svc.run_cycle() == 0
+    finally:
+        svc.close()
+    assert flow.returned == [("t0", True)] and flow.pushed == {}
+    assert svc.counters.workflow_errors == 1
 
 
 def test_a_weight_version_lands_between_batches_while_episodes_run():

@@ -311,7 +311,8 @@ def test_a_failed_engine_load_makes_the_next_push_send_everything():
     with pytest.raises(RuntimeError, match="engine hiccup"):
         sync.refresh()
     engine.update_weights = real
-    sync.refresh()
+    assert sync.refresh() is None  # backing off after the failed load
+    sync.refresh(force=True)  # (forced: no backoff)
     assert engine.version == 2 and len(engine.loaded[-1][1]) == len(state)
 
 
@@ -359,3 +360,26 @@ def test_expand_to_modules_groups_fused_shards_and_keeps_order():
     assert expand_to_modules(["a.q_proj.bias"], ["a.q_proj.weight", "a.q_proj.bias", "a.k_proj.bias",
                                                  "a.o_proj.weight"]) == [
         "a.q_proj.weight", "a.q_proj.bias", "a.k_proj.bias"]
+
+
+def test_a_version_the_engine_fails_to_load_is_retried_with_backoff_not_every_call():
+    class Failing(RecordingEngine):
+        fail = True
+
+        def update_weights(self, named_tensors, version):
+            self.attempts = getattr(self, "attempts", 0) + 1
+            if self.fail:
+                raise RuntimeError("engine refused the load")
+            super().update_weights(named_tensors, version)
+
+    store, engine = FakeStore(), Failing()
+    store.add(ArtifactBuilder("policy").build(1, _states(1)[0]))
+    sync = WeightSync(lambda: store, "policy", engine, background=False, check_interval_s=0.0,
+                      min_backoff_s=3600.0)
+    with pytest.raises(RuntimeError, match="refused the load"):
+        sync.refresh()
+    for _ in range(5):  # the refresh loop calls again and again: no new attempt while backing off
+        assert sync.refresh() is None
+    assert engine.attempts == 1 and sync.failures == 1 and "refused" in sync.last_error
+    engine.fail = False
+    assert sync.refresh(force=True) is not None and engine.version == 1  # forced: tries at once
