@@ -100,6 +100,7 @@ class EpisodeRunner:
         self._failing_since: float | None = None
         self._refused: list[str] = []  # tasks whose samples the dataflow refused (4xx)
         self.leases = 0
+        self.leases_granted = 0  # leases that brought at least one task
         self.exit_code = 0
         self._control: ThreadPoolExecutor | None = None
         self._push_pool: ThreadPoolExecutor | None = None
@@ -255,6 +256,7 @@ class EpisodeRunner:
         svc.counters.add(cycles=1)
         if not tasks:
             return 0
+        self.leases_granted += 1
         ids = [t.task_id for t in tasks]
         svc._track(ids)
         if svc.stop_event.is_set():  # a drain began while this lease was on the wire

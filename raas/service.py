@@ -132,7 +132,8 @@ class RaaSService(Membership):
         if not self._first_push_said:
             self._first_push_said = True
             since = time.monotonic() - (self._ready_at or self._started)
-            self.say(f"raas first push: lease {self.runner.leases}, {since:.2f}s after ready")
+            self.say(f"raas first push: lease {self.runner.leases} ({self.runner.leases_granted} "
+                     f"with tasks), {since:.2f}s after ready")
 
     # ------------------------------------------------------------------ observation
 

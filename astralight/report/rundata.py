@@ -98,6 +98,10 @@ class ReadOnlyStore(Store):
         self.conn = sqlite3.connect(f"file:{self.path}?{mode}", uri=True, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
 
+    def close(self) -> None:
+        """Close the read-only connection (nothing was written: nothing to make durable)."""
+        self.conn.close()
+
     def model_ids(self) -> list[str]:
         """Every policy the DB knows of (published a version, was evaluated, or counted)."""
         found: set[str] = set()

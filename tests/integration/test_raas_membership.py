@@ -183,9 +183,10 @@ def test_kill_join_drain_and_rejoin(tmp_path, tiny_model_dir, dataflow_service, 
         procs.append(b)
         first = watch(lambda: [ln for ln in text(b_log).splitlines()
                                if "raas first push" in ln], "b's first push", b)
-        # leasing follows free slots: the first push comes from one of its first leases
-        lease = int(first[0].split("lease ")[1].split(",")[0])
-        assert lease <= 2, first[0]
+        # leasing follows free slots (a lease may come back empty while the others hold every
+        # task): the first push comes from one of its first leases that brought tasks
+        granted = int(first[0].split("(")[1].split(" with tasks")[0])
+        assert granted <= 2, first[0]
         print(f"\nb: {first[0].split('raas ')[-1]}")
 
         # ---- a's tasks: re-issued after their lease expired, done by someone else
