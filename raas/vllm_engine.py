@@ -107,28 +107,35 @@ _ENGINE_IDS = itertools.count()
 
 
 class _Request:
-    """One request in flight (driver thread): what it has produced so far."""
+    """One request in flight (driver thread)."""
 
-    __slots__ = ("rid", "prompt", "params", "future", "tokens", "logprobs", "versions",
-                 "start_version")
+    __slots__ = ("rid", "prompt", "params", "future", "start_version")
 
     def __init__(self, rid: str, prompt: list[int], params: Any):
         self.rid, self.prompt, self.params = rid, prompt, params
         self.future: Future = Future()
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
         self.start_version = 0
 
-    def reset(self, rid: str) -> None:
-        self.rid = rid
-        self.tokens, self.logprobs, self.versions = [], [], []
-
-    def finish(self, reason: str) -> None:
+    def finish(self, tokens: list[int], logprobs: list[float], reason: str,
+               versions: list[int]) -> None:
         if not self.future.done():
-            self.future.set_result(Completion(self.tokens, self.logprobs, reason,
-                                              version=self.start_version,
-                                              versions=self.versions))
+            self.future.set_result(Completion(tokens, logprobs, reason,
+                                              version=versions[0] if versions else
+                                              self.start_version, versions=versions))
+
+
+def _token_versions(spans: Any, n: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's ``CompletionOutput.weight_versions`` spans (labels are the
+    versions the engine set with ``set_weight_version``); ``default`` where none is given."""
+    out = [int(default)] * n
+    for span in spans or ():
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):  # "default": before the engine labelled its weights
+            continue
+        out[max(0, span.start):min(n, span.end)] = [version] * max(0, min(n, span.end)
+                                                                   - max(0, span.start))
+    return out
 
 
 class VLLMEngine(EngineBase):
@@ -234,7 +241,7 @@ class VLLMEngine(EngineBase):
         self._closed = False
         self.requests_started = 0
         self.tokens_generated = 0  # tokens of finished requests
-        self.tokens_stepped = 0  # every token any step produced (in flight or finished)
+        self.steps_run = 0  # engine steps this engine took
         self.requests_spanning_update = 0  # in flight across a weight update ("keep")
         self.requests_restarted = 0  # restarted from their prompt by an update ("abort", LoRA)
         self.weight_updates = 0
@@ -270,6 +277,26 @@ class VLLMEngine(EngineBase):
                 return int(tid)
         return 0
 
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine computes with now."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        """Also labels vLLM's weights (``set_weight_version``): every token a later step samples
+        carries it in its ``weight_versions`` span. Set from another thread (the weight sync
+        moving a bit-identical version), the label follows before the next step."""
+        self._version = int(value)
+        llm = self.__dict__.get("llm")
+        if llm is None:
+            return
+        label = str(self._version)
+        if self._driver.on_driver_thread:
+            llm.llm_engine.set_weight_version(label)
+        else:
+            self._driver.post(lambda: llm.llm_engine.set_weight_version(label))
+
     # ------------------------------------------------------------------ generation
 
     def submit(self, prompt_token_ids: list[int], params: SamplingSpec) -> Future:
@@ -304,7 +331,7 @@ class VLLMEngine(EngineBase):
             stop_token_ids=list(params.stop_token_ids), seed=params.seed,
             logprobs=0,  # only the sampled token's log-prob
             detokenize=False,  # the workflow decodes what it needs
-            output_kind=RequestOutputKind.DELTA,  # each step's new tokens, stamped with a version
+            output_kind=RequestOutputKind.FINAL_ONLY,  # per-token versions: weight_versions spans
         )
 
     # --- on the driver thread
@@ -329,34 +356,28 @@ class VLLMEngine(EngineBase):
         return bool(self._live)
 
     def step_once(self) -> None:
-        version = int(self.version)
-        for out in self.llm.llm_engine.step():
-            request = self._live.get(out.request_id)
+        self.steps_run += 1
+        for out in self.llm.llm_engine.step():  # (FINAL_ONLY: finished requests only)
+            request = self._live.pop(out.request_id, None)
             if request is None:  # aborted meanwhile
                 continue
             o = out.outputs[0]
             tokens = list(o.token_ids)
-            if tokens:
-                if o.logprobs is None or len(o.logprobs) != len(tokens):
-                    request.future.set_exception(RuntimeError(
-                        "vLLM returned no per-token logprobs; is logprobs=0 honoured?"))
-                    self._abort([out.request_id])
-                    continue
-                request.tokens.extend(tokens)
-                request.logprobs.extend(float(step[t].logprob) for t, step in zip(tokens, o.logprobs))
-                request.versions.extend([version] * len(tokens))
-                self.tokens_stepped += len(tokens)
-            if out.finished:
-                del self._live[out.request_id]
-                self.tokens_generated += len(request.tokens)
-                reason = str(o.finish_reason)
-                if reason in ("abort", "error"):  # vLLM gave up on it (not our cancel: that
-                    # removes the request first): never hand a truncated rollout to a workflow
-                    request.future.set_exception(RuntimeError(
-                        f"vLLM finished request {out.request_id} with {reason!r} after "
-                        f"{len(request.tokens)} tokens"))
-                    continue
-                request.finish(reason)
+            reason = str(o.finish_reason)
+            self.tokens_generated += len(tokens)
+            if reason in ("abort", "error"):  # vLLM gave up on it (our own cancel removes the
+                # request first): never hand a truncated rollout to a workflow
+                request.future.set_exception(RuntimeError(
+                    f"vLLM finished request {out.request_id} with {reason!r} after "
+                    f"{len(tokens)} tokens"))
+                continue
+            if tokens and (o.logprobs is None or len(o.logprobs) != len(tokens)):
+                request.future.set_exception(RuntimeError(
+                    "vLLM returned no per-token logprobs; is logprobs=0 honoured?"))
+                continue
+            logprobs = [float(step[t].logprob) for t, step in zip(tokens, o.logprobs or ())]
+            request.finish(tokens, logprobs, reason,
+                           _token_versions(o.weight_versions, len(tokens), request.start_version))
 
     def fail_all(self, exc: BaseException) -> None:
         live, self._live = self._live, {}
@@ -421,10 +442,7 @@ class VLLMEngine(EngineBase):
         if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("update_weights: vLLM refused to reset its prefix cache")
         self.requests_spanning_update += running if self.inflight_updates == "keep" else 0
-        self.version = int(version)
-        for request in self._live.values():
-            if not request.tokens:  # restarted (or not started): all of it is the new version
-                request.start_version = self.version
+        self.version = int(version)  # (labels the next steps' tokens: see the version setter)
 
     def _restart_live(self) -> None:
         """Restart every request in flight from its prompt (new id; what it had is dropped)."""
@@ -434,7 +452,7 @@ class VLLMEngine(EngineBase):
         self.llm.llm_engine.abort_request([r.rid for r in live])
         self._live = {}
         for request in live:
-            request.reset(f"{request.rid}r")
+            request.rid = f"{request.rid}r"
             try:
                 self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
                                                 request.params, lora_request=self._lora)

@@ -70,8 +70,8 @@ def inflight_update(engine, prompts, spec, state) -> dict:
     """Load ``state`` while ``len(prompts)`` requests run; the pause and the version spans."""
     async def main():
         tasks = [asyncio.create_task(engine.generate(p, spec)) for p in prompts]
-        start = engine.tokens_stepped
-        while engine.tokens_stepped - start < 4 * len(prompts):
+        start = engine.steps_run
+        while engine.steps_run - start < 8:  # a prefill and a few decode steps in
             await asyncio.sleep(0.002)
         t = time.perf_counter()
         await asyncio.to_thread(engine.update_weights, state, engine.version + 1)

@@ -160,9 +160,9 @@ def test_workflow_runs_on_vllm(engine):
             assert isinstance(s.metadata["completion"], str)
 
 
-def _submit_all(engine, prompts, spec, update=None, after_tokens=0):
+def _submit_all(engine, prompts, spec, update=None, after_steps=0):
     """Submit every prompt at once from one event loop; optionally apply ``update()`` (on a
-    thread, as the weight sync does) once the engine has generated ``after_tokens`` tokens."""
+    thread, as the weight sync does) once the engine has taken ``after_steps`` steps."""
     import asyncio
     import time
 
@@ -170,9 +170,9 @@ def _submit_all(engine, prompts, spec, update=None, after_tokens=0):
         tasks = [asyncio.create_task(engine.generate(p, spec.for_request(i)))
                  for i, p in enumerate(prompts)]
         if update is not None:
-            start = engine.tokens_stepped
+            start = engine.steps_run
             deadline = time.monotonic() + 60
-            while engine.tokens_stepped - start < after_tokens and time.monotonic() < deadline:
+            while engine.steps_run - start < after_steps and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
             await asyncio.to_thread(update)
         return await asyncio.gather(*tasks)
@@ -192,7 +192,7 @@ def test_a_weight_update_lands_between_steps_with_requests_in_flight(engine, tin
     spanning_before = engine.requests_spanning_update
     try:
         comps = _submit_all(engine, ids, spec, update=lambda: engine.update_weights(new, version=1),
-                            after_tokens=64)
+                            after_steps=6)
     finally:
         engine.update_weights(original, version=0)
     assert len(comps) == 32 and all(len(c.versions) == len(c.token_ids) >= 1 for c in comps)
@@ -228,7 +228,7 @@ def test_abort_mode_restarts_requests_in_flight_under_the_new_weights(engine, ti
     try:
         comps = _submit_all(engine, ids, SamplingSpec(temperature=1.0, max_tokens=40),
                             update=lambda: engine.update_weights(_state_dict(seed=1), version=1),
-                            after_tokens=32)
+                            after_steps=4)
     finally:
         engine.inflight_updates = "keep"
         engine.update_weights(original, version=0)
