@@ -171,9 +171,12 @@ class DataflowConfig:
             keep) stay under this many versions of its trainers' consumption (measured over the
             last 4 versions: batches served per version times fresh samples per batch; before
             that ``trainer_samples_per_version``), and never below the largest batch pulled. More
-            would be dropped stale before it could be served. null (default):
-            ``max_staleness + 1``; 0: off (only ``max_inflight_tasks`` and
-            ``max_buffered_samples``); otherwise >= 1. Applies on top of those two caps, so a
+            would be dropped stale before it could be served. 0 (default): off (only
+            ``max_inflight_tasks`` and ``max_buffered_samples``); null: ``max_staleness + 1``;
+            otherwise >= 1. Off by default because the autoscaler's scale-down signal is the
+            share of accepted samples the trainers consume: with the cap on, an oversized pool
+            is throttled instead of overproducing, and that share stays near 1 (it would never
+            scale down). Applies on top of those two caps, so a
             config whose caps are already tighter sees no change. Async mode only (sync mode
             sizes each round by ``sync_batch_size``). See :mod:`astralight.dataflow.demand`.
         trainer_samples_per_version: ``{model_id: fresh samples its trainers take per version}``
@@ -230,7 +233,7 @@ class DataflowConfig:
     queue_order: Union[str, list[Union[str, dict]], dict[str, Union[str, list[Union[str, dict]]]]] = "fifo"
     max_buffered_samples: int = 512
     max_inflight_tasks: int = 64
-    lease_demand_versions: Optional[float] = None
+    lease_demand_versions: Optional[float] = 0.0
     trainer_samples_per_version: dict[str, int] = field(default_factory=dict)
     eval: EvalConfig = field(default_factory=EvalConfig)
     max_body_bytes: int = 16 * 1024 * 1024

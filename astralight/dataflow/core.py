@@ -499,8 +499,8 @@ class Dataflow:
     def lease_demand(self) -> dict[str, demand.Demand]:
         """Per policy, what its trainers consume and the most outstanding samples (queued plus
         expected from open train tasks) worth generating for it (:mod:`astralight.dataflow.demand`):
-        ``lease_demand_versions`` (default ``max_staleness + 1``) versions of its measured
-        consumption, never below its largest pull. Call with the lock held."""
+        ``lease_demand_versions`` (null: ``max_staleness + 1``; 0, the default: none) versions
+        of its measured consumption, never below its largest pull. Call with the lock held."""
         cfg = self.config
         versions = cfg.demand_versions() if cfg.mode == "async" else 0.0
         out = {}

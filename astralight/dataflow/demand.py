@@ -14,9 +14,9 @@ So the dataflow creates a new train task for a policy only while
 
     queued + open_train_tasks * group_size * accept_fraction  <  versions * D
 
-with ``versions = lease_demand_versions`` (default ``max_staleness + 1``), on top of the explicit
-``max_inflight_tasks`` / ``max_buffered_samples`` caps (a config whose explicit caps are already
-tighter sees no change). A task serves every policy, so it is created when *some* policy wants
+with ``versions = lease_demand_versions`` (``null``: ``max_staleness + 1``; 0, the default:
+no cap), on top of the explicit ``max_inflight_tasks`` / ``max_buffered_samples`` caps (a config
+whose explicit caps are already tighter sees no change). A task serves every policy, so it is created when *some* policy wants
 it, as for ``max_buffered_samples``.
 
 * ``D`` is measured over the last :data:`WINDOW` completed versions: the batches served per

@@ -17,7 +17,8 @@ from astralight.protocol import Sample, WeightManifest
 
 GROUP = 8
 #: the toy recipe's caps; a small-batch trainer pulling 2 tasks' worth per version
-TOY_CAPS = dict(group_size=GROUP, max_staleness=1, max_inflight_tasks=32, max_buffered_samples=512)
+TOY_CAPS = dict(group_size=GROUP, max_staleness=1, max_inflight_tasks=32, max_buffered_samples=512,
+                lease_demand_versions=None)  # opted in: max_staleness + 1 versions
 SMALL_BATCH = 2 * GROUP
 
 
@@ -196,4 +197,5 @@ def test_bad_trainer_samples_per_version_names_the_field():
         DataflowConfig(trainer_samples_per_version={"solver": 16})
     with pytest.raises(ValueError, match=r"trainer_samples_per_version\.policy: must be a pos"):
         DataflowConfig(trainer_samples_per_version={"policy": 0})
-    assert DataflowConfig(max_staleness=3).demand_versions() == 4.0
+    assert DataflowConfig(max_staleness=3, lease_demand_versions=None).demand_versions() == 4.0
+    assert DataflowConfig(max_staleness=3).demand_versions() == 0.0  # off by default
