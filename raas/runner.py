@@ -228,8 +228,9 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ leasing
 
     async def _lease(self, free: int, raise_errors: bool = False) -> int | None:
-        """Lease up to ``free`` tasks and start an episode for each; the number granted, or None
-        when the dataflow failed (counted; after ``dataflow_give_up_s`` the runner gives up)."""
+        """Lease up to ``free`` tasks and start an episode for each runnable one; the number of
+        episodes started, or None when the dataflow failed (counted; after
+        ``dataflow_give_up_s`` of failures the runner gives up)."""
         svc, cfg = self.service, self.config
         client = svc.client
         seen = svc._registrations
@@ -289,7 +290,7 @@ class EpisodeRunner:
         svc.counters.add(dataflow_errors=1)
         now = time.monotonic()
         self._failing_since = self._failing_since or now
-        log.error("lease failed: %s", exc)
+        log.error("dataflow call failed: %s", exc)
         if now - self._failing_since > cfg.dataflow_give_up_s:
             svc.say(f"raas giving up: the dataflow has failed for "
                     f"{now - self._failing_since:.0f}s")

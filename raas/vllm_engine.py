@@ -317,7 +317,7 @@ class VLLMEngine(EngineBase):
                 if request.future is future:
                     self.llm.llm_engine.abort_request([rid])
                     del self._live[rid]
-                    request.finish("abort")
+                    request.finish([], [], "abort", [])  # (nobody awaits it any more)
         if self.llm is not None:
             self._driver.post(abort)
 
@@ -388,11 +388,6 @@ class VLLMEngine(EngineBase):
             self.llm.llm_engine.abort_request(list(live))
         except Exception:  # noqa: BLE001 - the engine is already failing
             pass
-
-    def _abort(self, rids: list[str]) -> None:
-        self.llm.llm_engine.abort_request(rids)
-        for rid in rids:
-            self._live.pop(rid, None)
 
     # ------------------------------------------------------------------ weights
 
