@@ -231,7 +231,7 @@ class EpisodeRunner:
         """Lease up to ``free`` tasks and start an episode for each runnable one; the number of
         episodes started, or None when the dataflow failed (counted; after
         ``dataflow_give_up_s`` of failures the runner gives up)."""
-        svc, cfg = self.service, self.config
+        svc = self.service
         client = svc.client
         seen = svc._registrations
         try:

@@ -23,8 +23,7 @@ import time
 from typing import Any, Callable
 
 from astralight.raas.config import RaaSConfig, build_engine, parse_config
-from astralight.raas.membership import (DRAIN_UNREACHABLE_S, GOODBYE_RETRY_S,  # noqa: F401
-                                        HARD_STOP_CALLS_S, HARD_STOP_EXIT, Membership)
+from astralight.raas.membership import HARD_STOP_CALLS_S, HARD_STOP_EXIT, Membership
 from astralight.raas.runner import Counters, EpisodeRunner
 from astralight.raas.weight_sync import WeightSync
 

@@ -608,6 +608,5 @@ class VLLMEngine(EngineBase):
             self._lora = None
         if self._own_adapter_dir and self.adapter_dir is not None:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
-        self.llm = None
-        del llm
+        self.llm = llm = None  # (drop the last references before collecting)
         gc.collect()

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from astralight.protocol import Sample, Task
@@ -102,6 +103,20 @@ def as_episode_runner(workflow: Any) -> Workflow:
     if inspect.iscoroutinefunction(run):
         return workflow
     return SyncWorkflowAdapter(workflow)
+
+
+@dataclass
+class Reply:
+    """One request's outcome in a multi-step workflow: its prompt ids, the completion, the
+    version to stamp where the engine stamped none, the decoded text, the temperature it was
+    sampled at, and (when scored as it arrived) its reward."""
+
+    ids: list[int]
+    completion: Any
+    version: int
+    text: str
+    temperature: float
+    reward: float = 0.0
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = False) -> list[int]:

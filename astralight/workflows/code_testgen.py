@@ -69,10 +69,10 @@ from itertools import count
 from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec, gather_all
+from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
-from astralight.workflows.base import Workflow, check_roles, encode_text_prompt
+from astralight.workflows.base import Reply, Workflow, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
@@ -234,15 +234,7 @@ class _TaskState:
     feedback: list[dict] = field(default_factory=list)
 
 
-@dataclass
-class _Reply:
-    """One request's outcome: its prompt, completion, fallback version and text."""
-
-    ids: list[int]
-    completion: Completion
-    version: int
-    text: str
-    temperature: float
+_Reply = Reply  # one request's outcome (astralight.workflows.base.Reply)
 
 
 class _Executions:

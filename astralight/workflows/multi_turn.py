@@ -18,7 +18,6 @@ web call) while the engine keeps generating for every other episode.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import logging
 from dataclasses import dataclass, field

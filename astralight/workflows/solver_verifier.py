@@ -28,7 +28,6 @@ outputs); the toy recipe passes the short character-level templates of :data:`TO
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections import defaultdict
@@ -37,9 +36,9 @@ from itertools import count
 from typing import Any, Iterator
 
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec, gather_all
+from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Workflow, blocking, check_roles, encode_text_prompt
+from astralight.workflows.base import Reply, Workflow, blocking, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
 
 log = logging.getLogger(__name__)
@@ -150,16 +149,7 @@ class VerdictParser:
         return APPROVE if last_a[-1] > last_r[-1] else REJECT
 
 
-@dataclass
-class _Reply:
-    """One request's outcome: its prompt, completion, fallback version, text and reward."""
-
-    ids: list[int]
-    completion: Completion
-    version: int
-    text: str
-    temperature: float
-    reward: float = 0.0
+_Reply = Reply  # one request's outcome (astralight.workflows.base.Reply)
 
 
 @dataclass
