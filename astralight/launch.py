@@ -554,26 +554,27 @@ def wall_s_to_accuracy(state_dir: Path, model_id: str, evals: dict, threshold: f
     """
     import sqlite3
 
+    from astralight.report.rundata import ReadOnlyStore
+
     reached = sorted(int(v) for v, r in evals.items()
                      if r.get("complete") and float(r.get("avg_at_k") or 0) >= threshold)
     db = Path(state_dir) / "dataflow.db"
     if not reached or not db.exists():
         return None
+    if reached[0] == 0:
+        return 0.0
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        store = ReadOnlyStore(db)
         try:
-            start = con.execute("SELECT value FROM meta WHERE key='started_at'").fetchone()
-            if reached[0] == 0:
-                return 0.0
-            row = con.execute("SELECT published_at FROM version_times WHERE model_id=? AND "
-                              "version=?", (model_id, reached[0])).fetchone()
+            start = store.get_meta("started_at")
+            published = store.version_times(model_id).get(reached[0])
         finally:
-            con.close()
+            store.close()
     except sqlite3.Error:
         return None
-    if start is None or row is None:
+    if start is None or published is None:
         return None
-    return round(float(row[0]) - float(start[0]), 1)
+    return round(float(published) - float(start), 1)
 
 
 def _affinity(spec: dict) -> dict[str, list[int]]:

@@ -128,4 +128,20 @@ def spawn(argv: Sequence[str], *, cpus: Sequence[int] | None = None, die_with_pa
                             **popen_kwargs)
 
 
-__all__ = ["PR_SET_PDEATHSIG", "ORPHANED_AT_START", "PDEATHSIG_SUPPORTED", "child_setup", "spawn"]
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = 20.0) -> int | None:
+    """SIGTERM a child and wait ``timeout_s`` for it, then SIGKILL; its exit status (None for
+    no process). A child already gone is left as it is."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+__all__ = ["PR_SET_PDEATHSIG", "ORPHANED_AT_START", "PDEATHSIG_SUPPORTED", "child_setup", "spawn",
+           "stop_process"]

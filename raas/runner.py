@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from astralight.raas.membership import _field, _status
@@ -76,9 +76,11 @@ class Counters:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def snapshot(self) -> dict:
+    def raise_to(self, name: str, value: float) -> None:
+        """``name`` becomes ``value`` if that is larger (a peak)."""
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+            setattr(self, name, max(getattr(self, name), value))
+
 
 
 class EpisodeRunner:
@@ -281,8 +283,7 @@ class EpisodeRunner:
             episode.add_done_callback(_log_unexpected)
             self.episodes[task.task_id] = episode
             started += 1
-        with svc.counters._lock:
-            svc.counters.peak_in_flight = max(svc.counters.peak_in_flight, len(self.episodes))
+        svc.counters.raise_to("peak_in_flight", len(self.episodes))
         return started
 
     def _dataflow_failed(self, exc: BaseException) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 import yaml
 
 from astralight.dataflow.client import DataflowClient
+from astralight.proc import stop_process
 from astralight.protocol import Sample
 
 #: the ingest arms: name -> (tasks per request, group_commit setting; None: do not set it)
@@ -58,15 +59,6 @@ def start_service(tmp: str, config: dict) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"dataflow service did not start (said {line!r})")
     return proc, line.split(" on ", 1)[1].strip()
-
-
-def stop_service(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -133,7 +125,7 @@ def simple(args) -> None:
                   f"{pulled / pull_s:.0f} samples/s")
             client.close()
         finally:
-            stop_service(proc)
+            stop_process(proc)
 
 
 def _client_pushes(url: str, iid: str, work: list[tuple[str, list[Sample]]], per_request: int,
@@ -199,7 +191,7 @@ def ingest_arm(name: str, args) -> dict:
             after = stats.get("durability", {})
             admin.close()
         finally:
-            stop_service(proc)
+            stop_process(proc)
     pushes = share * args.clients
     accepted = sum(o.get("accepted", 0) for o in outs)
     assert accepted == stats["models"]["policy"]["samples_accepted"] == pushes * args.group, \

@@ -155,13 +155,9 @@ def start_dataflow(workdir: Path, timeout_s: float = 120.0):
 
 
 def stop(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from astralight.proc import stop_process
+
+    stop_process(proc)
 
 
 # ---------------------------------------------------------------------------- rollouts -> batches

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import pytest
 import yaml
 
+from astralight.proc import stop_process
 from tests.conftest import free_port
 
 READY_LINE = "dataflow serving on http://"
@@ -24,13 +25,7 @@ class ServiceHandle(NamedTuple):
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc, timeout_s=15)
 
 
 @pytest.fixture

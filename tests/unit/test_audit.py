@@ -6,41 +6,23 @@ service, so the audit's ledgers agree), samples still queued are taken back."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 
-import numpy as np
 import pytest
 
 from astralight.dataflow.audit import audit, main
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
-from astralight.protocol import Sample, WeightManifest
+from tests.unit.dataflow_fakes import publish
+from tests.unit.dataflow_fakes import samples as _samples
+
+
+def samples(task, rewards, version=0):
+    return _samples(task, rewards, version, token_ids=(5, 6, 7))
+
 
 GROUP = 2
-
-
-def samples(task, rewards, version=0) -> list[Sample]:
-    return [Sample(task_id=task.task_id, sample_index=i, model_id="policy",
-                   token_ids=np.array([5, 6, 7], np.int32),
-                   logprobs=np.array([0, -1, -1], np.float32),
-                   loss_mask=np.array([0, 1, 1], np.uint8),
-                   versions=np.array([-1, version, version], np.int32), reward=float(r))
-            for i, r in enumerate(rewards)]
-
-
-def publish(flow: Dataflow, version: int) -> None:
-    """Publish a one-file full version the way the upload route does (tmp file, commit)."""
-    data = b"w%d" % version
-    final = flow.weights.path("policy", version, "model.safetensors")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / ".upload.tmp"
-    tmp.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    flow.commit_upload(tmp, "policy", version, "model.safetensors", digest)
-    flow.publish(WeightManifest(model_id="policy", version=version, kind="full",
-                                files={"model.safetensors": {"sha256": digest}}))
 
 
 def make(tmp_path, **kw) -> Dataflow:

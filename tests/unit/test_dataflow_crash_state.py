@@ -10,7 +10,7 @@ import textwrap
 
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
-from tests.unit.test_dataflow_plugins_core import publish, samples
+from tests.unit.dataflow_fakes import publish, samples
 
 CFG = dict(group_size=2, curators=["greso", "filter_solved"], plugin_state_every_s=3600.0,
            max_staleness=8)

@@ -5,15 +5,13 @@ The core runs in process on a real SQLite file."""
 
 from __future__ import annotations
 
-import hashlib
 
-import numpy as np
 import pytest
 
 from astralight.dataflow import demand
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
-from astralight.protocol import Sample, WeightManifest
+from tests.unit.dataflow_fakes import publish, samples
 
 GROUP = 8
 #: the toy recipe's caps; a small-batch trainer pulling 2 tasks' worth per version
@@ -24,28 +22,6 @@ SMALL_BATCH = 2 * GROUP
 
 def make(tmp_path, name="state", **kw) -> Dataflow:
     return Dataflow(DataflowConfig(state_dir=str(tmp_path / name), **{**TOY_CAPS, **kw}))
-
-
-def samples(task, rewards, version=0) -> list[Sample]:
-    return [Sample(task_id=task.task_id, sample_index=i, model_id="policy",
-                   token_ids=np.array([1, 2, 3], np.int32),
-                   logprobs=np.array([0, -1, -1], np.float32),
-                   loss_mask=np.array([0, 1, 1], np.uint8),
-                   versions=np.array([-1, version, version], np.int32), reward=float(r))
-            for i, r in enumerate(rewards)]
-
-
-def publish(flow: Dataflow, version: int) -> None:
-    """Publish a one-file full version the way the upload route does (tmp file, commit)."""
-    data = b"w%d" % version
-    final = flow.weights.path("policy", version, "model.safetensors")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / ".upload.tmp"
-    tmp.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    flow.commit_upload(tmp, "policy", version, "model.safetensors", digest)
-    flow.publish(WeightManifest(model_id="policy", version=version, kind="full",
-                                files={"model.safetensors": {"sha256": digest}}))
 
 
 def mixed_rewards(i: int) -> list[int]:

@@ -3,10 +3,8 @@ curator safety valve, per-policy queue orders, replay-pool and plugin-state rest
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
-import numpy as np
 import pytest
 import yaml
 
@@ -14,7 +12,12 @@ from astralight.dataflow.config import DataflowConfig, build_plugins, parse_conf
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.curators import GRESO, PromptCurator
 from astralight.dataflow.queues import Edf, Fifo
-from astralight.protocol import Sample, WeightManifest
+from tests.unit.dataflow_fakes import publish
+from tests.unit.dataflow_fakes import samples as _samples
+
+
+def samples(task, rewards, model_id="policy", version=0):
+    return _samples(task, rewards, version, model_id)
 
 
 class RejectAll(PromptCurator):
@@ -22,27 +25,6 @@ class RejectAll(PromptCurator):
 
     def should_submit(self, prompt, version: int) -> bool:
         return False
-
-
-def samples(task, rewards, model_id="policy", version=0) -> list[Sample]:
-    return [Sample(task_id=task.task_id, sample_index=i, model_id=model_id,
-                   token_ids=np.array([1, 2, 3], np.int32), logprobs=np.array([0, -1, -1], np.float32),
-                   loss_mask=np.array([0, 1, 1], np.uint8),
-                   versions=np.array([-1, version, version], np.int32), reward=float(r))
-            for i, r in enumerate(rewards)]
-
-
-def publish(flow: Dataflow, version: int, model_id: str = "policy") -> None:
-    """Publish a one-file full version the way the upload route does (tmp file, commit)."""
-    data = b"w%d" % version
-    final = flow.weights.path(model_id, version, "model.safetensors")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / ".upload.tmp"
-    tmp.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    flow.commit_upload(tmp, model_id, version, "model.safetensors", digest)
-    flow.publish(WeightManifest(model_id=model_id, version=version, kind="full",
-                                files={"model.safetensors": {"sha256": digest}}))
 
 
 def make(tmp_path, **kw) -> Dataflow:

@@ -5,18 +5,16 @@ old state folder opening after the migration."""
 
 from __future__ import annotations
 
-import hashlib
 import sqlite3
 import time
 
-import numpy as np
 import pytest
 
 from astralight.dataflow import membership as mb
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
-from astralight.protocol import Sample, WeightManifest
+from tests.unit.dataflow_fakes import publish, samples
 
 EVAL_SOURCE = {"class_path": "astralight.tasks.arithmetic.ArithmeticSource",
                "init_args": {"split": "eval", "eval_size": 2}}
@@ -90,26 +88,6 @@ def test_instance_table_rows():
 
 
 # ----------------------------------------------------------------------------- the core
-
-
-def samples(task, rewards, version=0, model_id="policy") -> list[Sample]:
-    return [Sample(task_id=task.task_id, sample_index=i, model_id=model_id,
-                   token_ids=np.array([1, 2, 3], np.int32), logprobs=np.array([0, -1, -1], np.float32),
-                   loss_mask=np.array([0, 1, 1], np.uint8),
-                   versions=np.array([-1, version, version], np.int32), reward=float(r))
-            for i, r in enumerate(rewards)]
-
-
-def publish(flow: Dataflow, version: int, model_id: str = "policy") -> None:
-    data = b"w%d" % version
-    final = flow.weights.path(model_id, version, "model.safetensors")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / ".upload.tmp"
-    tmp.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    flow.commit_upload(tmp, model_id, version, "model.safetensors", digest)
-    flow.publish(WeightManifest(model_id=model_id, version=version, kind="full",
-                                files={"model.safetensors": {"sha256": digest}}))
 
 
 def make(tmp_path, **kw) -> Dataflow:

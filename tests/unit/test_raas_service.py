@@ -21,77 +21,9 @@ from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer
 from astralight.weights.artifacts import ArtifactBuilder
 from astralight.workflows.single_turn import SingleTurnWorkflow
-from tests.unit.test_raas_weight_sync import FakeStore, _states
+from tests.unit.raas_fakes import BatchingDataflow, FakeDataflow, NotFound
+from tests.unit.raas_fakes import states as _states
 from tests.unit.engine_fakes import ScriptedEngine
-
-
-class NotFound(Exception):
-    status = 404
-
-    def __init__(self, message, field=None):
-        super().__init__(message)
-        self.field = field
-
-
-class FakeDataflow(FakeStore):
-    """Register / heartbeat / lease / push / return / deregister in memory (the membership
-    half of DataflowClient's contract), plus FakeStore's weight routes."""
-
-    def __init__(self, tasks=()):
-        super().__init__()
-        self.tasks = list(tasks)
-        self.pushed = {}
-        self.registrations = 0
-        self.register_calls = []  # (instance_id, capacity_units)
-        self.forget_instance = False
-        self.leased = []  # every task id ever leased, in order
-        self.returned = []  # (task_id, failed)
-        self.deregistered = []
-        self.heartbeats = []  # in_flight of each heartbeat
-        self.heartbeat_stats = []  # stats of each heartbeat (None: none sent)
-        self.drain_requested = False
-        self.unknown_tasks = set()  # pushes of these answer 404 task_id (a fresh state)
-        self.push_log = []  # every task id pushed, in order
-        self.on_push = None  # called after every push, accepted or not (tests hook stops here)
-
-    def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0):
-        self.registrations += 1
-        self.register_calls.append((instance_id, capacity_units))
-        return {"instance_id": instance_id or "i0", "lease_seconds": 30.0}
-
-    def heartbeat(self, instance_id, in_flight=None, stats=None):
-        self.heartbeats.append(in_flight)
-        self.heartbeat_stats.append(stats)
-        return {"instance_id": instance_id, "lease_seconds": 30.0,
-                "drain": self.drain_requested}
-
-    def lease(self, instance_id, max_tasks):
-        if self.forget_instance:
-            self.forget_instance = False
-            raise NotFound("unknown instance", "instance_id")
-        out, self.tasks = self.tasks[:max_tasks], self.tasks[max_tasks:]
-        self.leased += [t.task_id for t in out]
-        return out
-
-    def push(self, instance_id, task_id, samples):
-        self.push_log.append(task_id)
-        try:
-            if task_id in self.unknown_tasks:
-                raise NotFound(f"unknown task {task_id!r}", "task_id")
-            dup = task_id in self.pushed
-            self.pushed.setdefault(task_id, samples)
-            return {"accepted": 0 if dup else len(samples), "duplicate": dup}
-        finally:
-            if self.on_push is not None:
-                self.on_push(task_id)
-
-    def return_tasks(self, instance_id, task_ids, failed=False):
-        self.returned += [(t, failed) for t in task_ids]
-        return {"returned": len(task_ids)}
-
-    def deregister(self, instance_id):
-        self.deregistered.append(instance_id)
-        return {"returned": 0}
 
 
 def _service(flow, engine, **overrides):
@@ -249,34 +181,6 @@ def test_refused_and_unreachable_pushes_are_counted_and_the_rest_delivered():
     assert flow.returned == [("t1", True)]  # refused samples: the task failed here
     assert all(name.startswith("raas-push") for name in flow.threads)
     assert svc.in_flight_count() == 0
-
-
-class BatchingDataflow(FakeDataflow):
-    """A dataflow with ``push_many``: records how many tasks each push request carried."""
-
-    def __init__(self, tasks=()):
-        super().__init__(tasks)
-        self.lock = threading.Lock()
-        self.batches = []
-
-    def lease(self, instance_id, max_tasks):
-        with self.lock:
-            return super().lease(instance_id, max_tasks)
-
-    def push_many(self, instance_id, items):
-        with self.lock:
-            self.batches.append(len(items))
-            out = []
-            for task_id, samples in items:
-                try:
-                    out.append(FakeDataflow.push(self, instance_id, task_id, samples))
-                except Exception as exc:  # noqa: BLE001 - per-item outcome
-                    out.append(exc)
-            return out
-
-    def return_tasks(self, instance_id, task_ids, failed=False):
-        with self.lock:
-            return super().return_tasks(instance_id, task_ids, failed)
 
 
 class SlowWorkflow(SingleTurnWorkflow):
@@ -553,12 +457,7 @@ def test_a_hard_stop_cancels_episodes_waiting_on_the_engine():
     flow = FakeDataflow([_task(i) for i in range(2)])
     engine = ScriptedEngine(build_tokenizer(), ["82"], delay_s=0.5)
     svc, out = _service(flow, engine)
-    exits = []
-    svc._exit = exits.append
-    svc.start()
-    codes = []
-    server = threading.Thread(target=lambda: codes.append(svc.serve()))
-    server.start()
+    server, codes, exits = _serve_in_thread(svc)
     try:
         _wait(lambda: svc.in_flight_count() == 2, "episodes in flight")
         svc.hard_stop("test")
@@ -572,6 +471,17 @@ def test_a_hard_stop_cancels_episodes_waiting_on_the_engine():
 
 
 # ---------------------------------------------------------------------- membership
+
+
+def _serve_in_thread(svc):
+    """Start ``svc`` and run ``serve()`` on a thread, a hard stop's exit recorded, not done:
+    returns (the thread, serve's return codes, the exit codes the hard stop asked for)."""
+    exits, codes = [], []
+    svc._exit = exits.append
+    svc.start()
+    server = threading.Thread(target=lambda: codes.append(svc.serve()))
+    server.start()
+    return server, codes, exits
 
 
 def _wait(predicate, what, timeout=30.0):
@@ -633,12 +543,7 @@ def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
 def test_a_second_stop_request_returns_everything_in_flight_and_exits_at_once():
     flow = FakeDataflow([_task(i) for i in range(6)])
     svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0)
-    exits = []
-    svc._exit = exits.append
-    svc.start()
-    codes = []
-    server = threading.Thread(target=lambda: codes.append(svc.serve()))
-    server.start()
+    server, codes, exits = _serve_in_thread(svc)
     try:
         _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")  # generated, not pushed
         svc.request_stop()  # drain: would wait out the 600 s delay
@@ -658,12 +563,7 @@ def test_a_drain_that_outlasts_drain_timeout_s_becomes_a_hard_stop():
     flow = FakeDataflow([_task(i) for i in range(6)])
     svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0,
                         drain_timeout_s=0.2)
-    exits = []
-    svc._exit = exits.append
-    svc.start()
-    codes = []
-    server = threading.Thread(target=lambda: codes.append(svc.serve()))
-    server.start()
+    server, codes, exits = _serve_in_thread(svc)
     try:
         _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")
         svc.drain("test")
@@ -804,12 +704,7 @@ def test_a_drain_whose_dataflow_is_gone_becomes_a_hard_stop():
     flow = GoneDataflow([_task(i) for i in range(6)])
     svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), cycle_delay_s=600.0)
     svc.drain_unreachable_s = 0.5
-    exits = []
-    svc._exit = exits.append
-    svc.start()
-    codes = []
-    server = threading.Thread(target=lambda: codes.append(svc.serve()))
-    server.start()
+    server, codes, exits = _serve_in_thread(svc)
     try:
         _wait(lambda: svc.in_flight_count() == 2, "a cycle in its delay")
         svc.drain("test")  # would wait out the 600 s delay (drain_timeout_s: 120 s)

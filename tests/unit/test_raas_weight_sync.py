@@ -13,44 +13,8 @@ import torch
 
 from astralight.raas.weight_sync import WeightSync
 from astralight.weights.artifacts import ArtifactBuilder
-
-
-class FakeStore:
-    """The weight half of DataflowClient, in memory. ``corrupt`` names files served damaged."""
-
-    def __init__(self):
-        self.manifests, self.files, self.corrupt, self.corrupt_once = {}, {}, set(), set()
-        self.downloads = []
-        self.streamed = []
-
-    def add(self, artifact):
-        m = artifact.manifest
-        self.manifests[m.version] = m
-        for name, data in artifact.files.items():
-            self.files[(m.version, name)] = data
-
-    def latest_manifest(self, model_id):
-        return self.manifests[max(self.manifests)] if self.manifests else None
-
-    def manifest(self, model_id, version):
-        return self.manifests[version]
-
-    def download_weight_file(self, model_id, version, name):
-        self.downloads.append((version, name))
-        data = self.files[(version, name)]
-        if (version, name) in self.corrupt_once:
-            self.corrupt_once.discard((version, name))
-            return data[:-1] + bytes([data[-1] ^ 1])
-        return data[:-1] + bytes([data[-1] ^ 1]) if (version, name) in self.corrupt else data
-
-    def download_weight_file_to(self, model_id, version, name, path):
-        """Like DataflowClient's: writes the file and returns its path."""
-        path.write_bytes(self.download_weight_file(model_id, version, name))
-        self.streamed.append(path)
-        return path
-
-    def close(self):
-        pass
+from tests.unit.raas_fakes import FakeStore
+from tests.unit.raas_fakes import states as _states
 
 
 class RecordingEngine:
@@ -62,18 +26,6 @@ class RecordingEngine:
         self.loaded.append((version, {k: v.clone() for k, v in named_tensors.items()},
                             threading.current_thread().name))
         self.version = version
-
-
-def _states(n, seed=0):
-    """n successive small states, each changing a few elements (like RL steps)."""
-    g = torch.Generator().manual_seed(seed)
-    state = {"a.weight": torch.randn(8, 16, generator=g), "b.bias": torch.randn(16, generator=g)}
-    out = []
-    for _ in range(n):
-        state = {k: v.clone() for k, v in state.items()}
-        state["a.weight"][0, :3] += 0.5
-        out.append(state)
-    return out
 
 
 def _assert_loaded(engine, version, state):
