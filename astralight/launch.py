@@ -468,6 +468,9 @@ def _final_eval(evals: dict[int, dict]) -> dict:
     if "team_accuracy" in last:
         out.update(team_accuracy_start=first.get("team_accuracy"),
                    team_accuracy_end=last["team_accuracy"])
+    if "tool_call_rate" in last:
+        out.update(tool_call_rate_start=first.get("tool_call_rate"),
+                   tool_call_rate_end=last["tool_call_rate"])
     return out
 
 
@@ -513,13 +516,20 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
     complete = sorted(v for v, r in evals.items() if r.get("complete"))
     pol = _policy_stats(stats, model_id)
     final = evals[target] if target in complete else None
+    start = evals[complete[0]] if complete else None
+    tools = {}
+    if start is not None and "tool_call_rate" in start:  # a tool-calling workflow
+        tools = {"tool_call_rate_start": start["tool_call_rate"],
+                 "tool_call_rate_end": final.get("tool_call_rate") if final else None}
     return {
-        "eval_accuracy_start": evals[complete[0]]["avg_at_k"] if complete else None,
+        "eval_accuracy_start": start["avg_at_k"] if start else None,
         "eval_accuracy_end": final["avg_at_k"] if final else None,
         "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
+        **tools,
         "eval_versions": complete,
         "eval": {v: {key: evals[v][key] for key in
-                     ("avg_at_k", "pass_at_k", "team_accuracy", "k", "n", "pass_at",
+                     ("avg_at_k", "pass_at_k", "team_accuracy", "tool_call_rate", "k", "n",
+                      "pass_at",
                       "n_prompts", "min_version", "max_version", "benchmark_average",
                       "benchmark_average_pass_at_k", "benchmark_average_pass_at", "benchmarks")
                      if key in evals[v]}

@@ -601,6 +601,7 @@ class RLPolicy(pl.LightningModule):
         }
         logged = {f"train/{k}": v for k, v in metrics.items() if k != "loss"}
         logged.update(perf)
+        logged.update({f"agent/{k}": float(v) for k, v in (batch.get("agent_stats") or {}).items()})
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=n_samples)
         self.log("train/loss", metrics["loss"], prog_bar=True, on_step=True, on_epoch=False,
                  batch_size=n_samples)

@@ -54,6 +54,85 @@ def build_tokenizer():
     )
 
 
+#: the chat tokenizer's special tokens, Qwen3's names; ``<|im_end|>`` ends a turn (its EOS)
+CHAT_SPECIAL_TOKENS = ["<pad>", "<|im_end|>", "<|im_start|>"]
+#: tokens a chat model writes as text (kept by ``decode(skip_special_tokens=True)``), as in Qwen3
+CHAT_TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                    "<think>", "</think>"]
+#: every printable ASCII character and the newline, one token each
+CHAT_CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+#: A Qwen3-style chat template for the tiny chat tokenizer. It follows Qwen3's layout (turns
+#: between ``<|im_start|>ROLE\n`` and ``<|im_end|>\n``; tools announced in the system turn;
+#: consecutive tool results grouped in one user turn as ``<tool_response>`` blocks; the
+#: ``<think>`` part of assistant turns before the last user message dropped), with the tools
+#: announced by name only (``tools: add, search``) instead of Qwen3's full JSON schemas, so that a
+#: character-level model's prompts stay short.
+CHAT_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "tools: {% for t in tools %}{{ t.function.name if t.function is defined else t.name }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}{{ '\\n' }}"
+    "<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m.role == 'assistant' %}"
+    "{% set content = m.content or '' %}"
+    "{% if loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "<|im_start|>assistant\n{{ content }}"
+    "{% for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_chat_tokenizer():
+    """A character-level chat tokenizer: one token per printable ASCII character or newline,
+    Qwen3's turn and tool tokens, and :data:`CHAT_TEMPLATE` as its chat template.
+
+    ``<|im_end|>`` is its EOS (a turn ends there, as in Qwen3); the tool and think tags are added
+    tokens that ``decode(skip_special_tokens=True)`` keeps, so tool calls survive decoding.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIAL_TOKENS + CHAT_TEXT_TOKENS
+                                            + CHAT_CHARACTERS + ["<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in CHAT_SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TEXT_TOKENS])
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        model_max_length=CHAT_MODEL_SPEC.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
 def build_model(spec: TinyModelSpec | None = None):
     """A randomly initialised ``Qwen3ForCausalLM`` of ``spec``'s shape (seeded)."""
     import torch
@@ -85,6 +164,20 @@ def build_model(spec: TinyModelSpec | None = None):
     return model
 
 
+#: the tiny chat model's shape: the chat vocabulary, room for a few turns of characters
+CHAT_MODEL_SPEC = TinyModelSpec(vocab_size=128, max_position_embeddings=512)
+
+
+def build_chat_model(spec: TinyModelSpec | None = None):
+    """A randomly initialised tiny model for :func:`build_chat_tokenizer` (its ids: pad 0,
+    ``<|im_end|>`` 1, ``<|im_start|>`` 2)."""
+    spec = spec or CHAT_MODEL_SPEC
+    if spec.vocab_size < len(build_chat_tokenizer()):
+        raise ValueError(f"spec.vocab_size: the chat tokenizer needs at least "
+                         f"{len(build_chat_tokenizer())}, got {spec.vocab_size}")
+    return build_model(spec)
+
+
 def save_model_folder(model, tokenizer, path: str | Path) -> Path:
     """Save model and tokenizer as a folder that transformers and vLLM both load."""
     path = Path(path)
@@ -101,3 +194,8 @@ def save_model_folder(model, tokenizer, path: str | Path) -> Path:
 def build_tiny_model_folder(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Build a fresh tiny model + tokenizer folder at ``path`` and return it."""
     return save_model_folder(build_model(spec), build_tokenizer(), path)
+
+
+def build_tiny_chat_model_folder(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Build a fresh tiny chat model + chat tokenizer folder at ``path`` and return it."""
+    return save_model_folder(build_chat_model(spec), build_chat_tokenizer(), path)

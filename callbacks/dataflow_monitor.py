@@ -66,6 +66,7 @@ def eval_metrics(result: dict) -> dict[str, float]:
     for k, value in (result.get("pass_at") or {}).items():
         put(f"eval/pass_at_{_tag(k)}", value)
     put("eval/benchmark_average", result.get("benchmark_average"))
+    put("eval/tool_call_rate", result.get("tool_call_rate"))  # tool workflows only
     put("eval/benchmark_average_pass_at_k", result.get("benchmark_average_pass_at_k"))
     for k, value in (result.get("benchmark_average_pass_at") or {}).items():
         put(f"eval/benchmark_average_pass_at_{_tag(k)}", value)
@@ -107,8 +108,22 @@ def plugin_metrics(plugins: dict | None) -> dict[str, float]:
 
 
 def balance_metrics(report: dict) -> dict[str, float]:
-    """``balance/*`` scalars of a balance report (``/v1/balance/{model_id}``)."""
+    """``balance/*`` scalars of a balance report (``/v1/balance/{model_id}``), the RaaS's weight
+    pauses (``raas/weight_pause_s``: seconds generation stood still for weight loads, summed over
+    the pool, cumulative) and, for tool workflows, ``balance/agent/*``."""
     out = {}
+    pause = _number(report.get("weight_pause_s"))
+    if pause is not None:
+        out["raas/weight_pause_s"] = pause
+    agent = report.get("agent") or {}
+    for key in ("tool_call_rate", "tool_calls_per_episode"):
+        value = _number(agent.get(key))
+        if value is not None:
+            out[f"balance/agent/{key}"] = value
+    for kind, n in (agent.get("tool_errors") or {}).items():
+        value = _number(n)
+        if value is not None:
+            out[f"balance/agent/tool_errors/{_tag(kind)}"] = value
     for key in ("wait_fraction", "mean_step_s", "mean_wait_s", "produced", "accepted", "consumed",
                 "stale", "wall_s", "eval_s", "throughput_per_capacity_unit"):
         value = _number(report.get(key))

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from astralight.agents.stats import batch_scalars
 from astralight.dataflow.client import DataflowClient, DataflowError, LazyDataflowClient
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID,
     and plain ``batch_id``, ``model_id``, ``policy_version`` (the dataflow's current version
     when it served the batch), ``trainer_version`` (the version of the weights the trainer
     will step with this batch, or None when unknown: see
-    :meth:`RolloutDataModule.trainer_version`), ``wait_s``, ``task_ids``.
+    :meth:`RolloutDataModule.trainer_version`), ``wait_s``, ``task_ids``, ``agent_stats`` (tool
+    workflows' per-sample means, :func:`astralight.agents.stats.batch_scalars`; empty otherwise).
     """
     samples = batch.samples
     if not samples:
@@ -102,6 +104,7 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID,
         "trainer_version": None if trainer_version is None else int(trainer_version),
         "wait_s": float(wait_s),
         "task_ids": [s.task_id for s in samples],
+        "agent_stats": batch_scalars(s.metadata for s in samples),
     }
 
 

@@ -26,3 +26,37 @@ def tiny_model_dir(tmp_path_factory):
     from astralight.tinymodel import build_tiny_model_folder
 
     return build_tiny_model_folder(tmp_path_factory.mktemp("tiny_model") / "model")
+
+
+@pytest.fixture(scope="session")
+def tool_policy_dir(tmp_path_factory):
+    """A tiny chat model warm-started on the tool-use toy's first 16 train prompts (half of
+    them solved with the ``add`` tool, half answered directly), memorised in ~150 steps: on
+    those prompts it calls the tool in about half of its episodes and is often right."""
+    from astralight.tasks.chat_warmstart import build_chat_policy
+    from astralight.tasks.tool_warmstart import tool_conversations
+    from astralight.agents.tools import Tool
+    from astralight.agents.toy_tools import add
+
+    return build_chat_policy(tmp_path_factory.mktemp("tool_policy") / "model",
+                             lambda: tool_conversations(16, tool_share=0.5, result_noise=0.0),
+                             [Tool(add).schema], sft_steps=150, lr=1e-2, progress=False,
+                             num_threads=1)
+
+
+@pytest.fixture
+def stand_in_search_corpora(monkeypatch):
+    """Search tools read their corpus when a workflow is built; the shipped configs name corpora
+    that live on GPU clusters, so while a config is checked a missing corpus reads as a stand-in."""
+    from pathlib import Path
+
+    import astralight.agents.search as search
+
+    real = search.read_corpus
+
+    def read(path):
+        if Path(path).expanduser().exists():
+            return real(path)
+        return [{"id": "0", "title": "stand-in", "text": "a stand-in passage"}]
+
+    monkeypatch.setattr(search, "read_corpus", read)

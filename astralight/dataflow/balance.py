@@ -19,7 +19,9 @@ The report also says how long the window took and what the pool delivered in it:
   that went to held-out evaluation instead of training data);
 - ``rates``: produced / accepted / consumed / stale per second of ``wall_s``;
 - ``capacity_units`` (GPUs or CPU slots of the live instances) and
-  ``throughput_per_capacity_unit`` = produced / ``wall_s`` / ``capacity_units``.
+  ``throughput_per_capacity_unit`` = produced / ``wall_s`` / ``capacity_units``;
+- ``agent`` (only when tool workflows produced the window's samples): episodes, the share that
+  called a tool, calls per episode, and failed calls by kind (:mod:`astralight.agents.stats`).
 
 Pure functions over the per-version counters (``Store.version_counters``) and publication times,
 so the same numbers serve the route, a text file and TensorBoard.
@@ -29,6 +31,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+from astralight.agents.stats import COUNTER_NAMES as AGENT_COUNTERS
+from astralight.agents.stats import window_section as agent_window
 
 #: the counters a window sums (names as in the dataflow's per-version counters)
 WINDOW_COUNTERS = ("rollouts_generated", "samples_accepted", "samples_trained", "stale_dropped",
@@ -107,6 +112,10 @@ def window_report(per_version: dict[int, dict[str, int]], first: int, last: int,
     steps = sums["trainer_steps_timed"]
     counts = {"produced": sums["rollouts_generated"], "accepted": sums["samples_accepted"],
               "consumed": sums["samples_trained"], "stale": sums["stale_dropped"]}
+    agent_sums: dict[str, int] = {}
+    for v in range(first, last + 1):
+        for name in AGENT_COUNTERS:
+            agent_sums[name] = agent_sums.get(name, 0) + int(per_version.get(v, {}).get(name, 0))
     per_unit = None
     if wall_s and capacity_units:
         per_unit = round(counts["produced"] / wall_s / capacity_units, 4)
@@ -125,4 +134,5 @@ def window_report(per_version: dict[int, dict[str, int]], first: int, last: int,
         "capacity_units": round(capacity_units, 4) if capacity_units is not None else None,
         "throughput_per_capacity_unit": per_unit,
         "decision": asdict(decision),
+        **({"agent": agent} if (agent := agent_window(agent_sums)) else {}),
     }

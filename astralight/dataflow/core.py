@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from astralight.agents.stats import episode_counts
 from astralight.dataflow import balance, demand, evals, membership
 from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
 from astralight.dataflow.durability import DurableLock
@@ -629,6 +630,8 @@ class Dataflow:
                         sid = self.store.insert_sample(task_id, s.model_id, s.sample_index, mv,
                                                        s.reward, encode(s), now, state=state)
                         counts[s.model_id, "rollouts_generated"] += 1
+                        for name, k in episode_counts(s.metadata).items():
+                            counts[s.model_id, name] += k
                         if state == "queued":
                             entries.append(QueueEntry(sid, mv, s))
                         counts[s.model_id, {"queued": "samples_accepted", "stale": "stale_dropped",

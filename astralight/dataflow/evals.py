@@ -91,12 +91,15 @@ def summarize(samples: list[Sample]) -> dict:
     A multi-step workflow marks retries (``metadata["attempt"] > 0``): the policy's accuracy is
     that of its first attempts, and when samples carry ``metadata["team_correct"]`` (the team's
     answer after verification and retry) ``n_team_correct`` counts those of the first attempts.
+    When samples say how many tools their episode called (``metadata["tool_calls"]``, the tool
+    workflows), ``n_tool_calling`` counts the first attempts that called at least one.
     """
     gen = [s.versions[s.loss_mask.astype(bool)] for s in samples]
     gen = np.concatenate(gen) if gen else np.zeros(0, np.int32)
     gen = gen[gen >= 0]
     first = [s for s in samples if int(s.metadata.get("attempt", 0)) == 0] or samples
     team = [s.metadata["team_correct"] for s in first if "team_correct" in s.metadata]
+    tools = [int(s.metadata["tool_calls"]) for s in first if "tool_calls" in s.metadata]
     return {
         "n_samples": len(first),
         "n_correct": sum(1 for s in first if s.reward > CORRECT_THRESHOLD),
@@ -104,6 +107,7 @@ def summarize(samples: list[Sample]) -> dict:
         "min_version": int(gen.min()) if gen.size else None,
         "max_version": int(gen.max()) if gen.size else None,
         "n_team_correct": int(sum(bool(t) for t in team)) if len(team) == len(first) else None,
+        "n_tool_calling": sum(1 for t in tools if t > 0) if len(tools) == len(first) else None,
     }
 
 
@@ -168,6 +172,9 @@ def aggregate(store: Store, model_id: str,
         team = [r["n_team_correct"] if "n_team_correct" in r.keys() else None for r in reports]
         if reports and all(t is not None for t in team):  # a team workflow (solver + verifier)
             out[run["version"]]["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
+        calling = [r["n_tool_calling"] if "n_tool_calling" in r.keys() else None for r in reports]
+        if reports and all(t is not None for t in calling):  # a tool-calling workflow
+            out[run["version"]]["tool_call_rate"] = sum(calling) / n_samples if n_samples else 0.0
         if benchmarks is not None:
             out[run["version"]].update(per_benchmark(reports, k, run["n_prompts"], benchmarks,
                                                      ks))

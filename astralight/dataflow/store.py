@@ -74,7 +74,7 @@ CREATE TABLE IF NOT EXISTS eval_reports (
     model_id TEXT NOT NULL, version INTEGER NOT NULL, prompt_index INTEGER NOT NULL,
     task_id TEXT NOT NULL, n_samples INTEGER NOT NULL, n_correct INTEGER NOT NULL,
     sum_reward REAL NOT NULL, min_version INTEGER, max_version INTEGER,
-    reported_at REAL NOT NULL, n_team_correct INTEGER,
+    reported_at REAL NOT NULL, n_team_correct INTEGER, n_tool_calling INTEGER,
     PRIMARY KEY(model_id, version, prompt_index));
 CREATE TABLE IF NOT EXISTS counters (
     model_id TEXT NOT NULL, name TEXT NOT NULL, value INTEGER NOT NULL,
@@ -95,7 +95,8 @@ CREATE TABLE IF NOT EXISTS plugin_journal (
 #: ``{table: [(column, declaration)]}`` added after release; :meth:`Store._migrate` adds the
 #: ones an older state folder lacks (the CREATE TABLE statements above already have them)
 MIGRATIONS = {
-    "eval_reports": [("n_team_correct", "INTEGER")],
+    # n_tool_calling: first-attempt samples whose episode called a tool (NULL: no tool workflow)
+    "eval_reports": [("n_team_correct", "INTEGER"), ("n_tool_calling", "INTEGER")],
     # samples per eval prompt (NULL: k, as before eval.n existed) and the pass@k k values as a
     # JSON list (NULL: [k])
     "eval_runs": [("n", "INTEGER"), ("pass_k", "TEXT")],
@@ -551,13 +552,14 @@ class Store:
     def insert_eval_report(self, model_id: str, version: int, prompt_index: int, task_id: str,
                            n_samples: int, n_correct: int, sum_reward: float,
                            min_version: int | None, max_version: int | None, now: float,
-                           n_team_correct: int | None = None) -> None:
+                           n_team_correct: int | None = None,
+                           n_tool_calling: int | None = None) -> None:
         self.conn.execute(
             "INSERT OR IGNORE INTO eval_reports(model_id, version, prompt_index, task_id, n_samples,"
-            " n_correct, sum_reward, min_version, max_version, reported_at, n_team_correct)"
-            " VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " n_correct, sum_reward, min_version, max_version, reported_at, n_team_correct,"
+            " n_tool_calling) VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (model_id, version, prompt_index, task_id, n_samples, n_correct, sum_reward,
-             min_version, max_version, now, n_team_correct))
+             min_version, max_version, now, n_team_correct, n_tool_calling))
 
     def eval_runs(self, model_id: str) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM eval_runs WHERE model_id=? ORDER BY version",

@@ -120,3 +120,22 @@ def test_scale_up_target_is_not_inflated_by_float_rounding():
     # 1 / (1 - 0.9) = 10.000000000000002 in floating point: the target must be 10, not 11
     assert decide(1, 0.9, 0, 0).target == 10
     assert decide(3, 0.5, 0, 0).target == 6
+
+
+def test_agent_counts_and_weight_pauses_reach_the_report_and_the_scalars():
+    from astralight.callbacks.dataflow_monitor import balance_metrics
+
+    per_version = {0: {"agent_episodes": 6, "tool_episodes": 3, "tool_calls": 4,
+                       "tool_errors_timeout": 1},
+                   1: {"agent_episodes": 2, "tool_episodes": 1, "tool_calls": 2,
+                       "tool_errors_malformed": 2}}
+    r = window_report(per_version, 0, 1, pool=1)
+    assert r["agent"]["episodes"] == 8 and r["agent"]["tool_call_rate"] == 0.5
+    assert r["agent"]["tool_calls_per_episode"] == 0.75
+    assert r["agent"]["tool_errors"]["timeout"] == 1 and r["agent"]["tool_errors"]["malformed"] == 2
+    assert "agent" not in window_report({0: {"rollouts_generated": 4}}, 0, 0, pool=1)
+    r["weight_pause_s"] = 1.5  # added by the service from the instances' heartbeats
+    out = balance_metrics(r)
+    assert out["raas/weight_pause_s"] == 1.5
+    assert out["balance/agent/tool_call_rate"] == 0.5
+    assert out["balance/agent/tool_errors/malformed"] == 2.0

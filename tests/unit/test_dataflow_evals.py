@@ -35,7 +35,7 @@ def test_summarize_counts_correct_and_generating_versions():
 
     rep = summarize([s(1.0, [-1, 2, 3]), s(0.5, [-1, 4]), s(0.0, [-1, 3])])
     assert rep == {"n_samples": 3, "n_correct": 1, "sum_reward": 1.5, "min_version": 2,
-                   "max_version": 4, "n_team_correct": None}
+                   "max_version": 4, "n_team_correct": None, "n_tool_calling": None}
 
 
 def test_summarize_team_workflow_counts_first_attempts_and_team_answers():

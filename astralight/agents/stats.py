@@ -1,0 +1,80 @@
+"""Agent episode counts: tool calls and failed calls by kind, read from sample metadata.
+
+The tool workflows write ``tool_calls`` (calls run) and ``tool_errors`` (``{kind: n}`` over
+:data:`ERROR_KINDS`) into every sample's metadata. The dataflow counts them per policy version
+(:func:`episode_counts`, shown in the balance report's ``agent`` section) and the trainer logs
+their batch means as ``agent/*`` TensorBoard scalars (:func:`batch_scalars`). Pure Python, so the
+dataflow can import it without the agent dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+#: every kind of failed tool call, counted per episode and reported
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout")
+
+#: the dataflow's per-version counters these counts go to
+COUNTER_NAMES = ("agent_episodes", "tool_episodes", "tool_calls",
+                 *(f"tool_errors_{k}" for k in ERROR_KINDS))
+
+
+@dataclass
+class ToolStats:
+    """One episode's tool counts: calls made, and failed calls by kind."""
+
+    calls: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
+
+    def add(self, error: str | None) -> None:
+        """Count one call; ``error`` is its failure kind (None: it worked)."""
+        if error is not None and error not in ERROR_KINDS:
+            raise ValueError(f"error: unknown kind {error!r}; kinds: {ERROR_KINDS}")
+        self.calls += 1
+        if error is not None:
+            self.errors[error] += 1
+
+    def as_metadata(self) -> dict:
+        return {"tool_calls": self.calls, "tool_errors": dict(self.errors)}
+
+
+def episode_counts(metadata: dict | None) -> dict[str, int]:
+    """The counters one sample adds (empty for a sample of a workflow without tools)."""
+    if not metadata or "tool_calls" not in metadata:
+        return {}
+    calls = int(metadata.get("tool_calls") or 0)
+    out = {"agent_episodes": 1, "tool_episodes": int(calls > 0), "tool_calls": calls}
+    errors = metadata.get("tool_errors") or {}
+    for kind in ERROR_KINDS:
+        out[f"tool_errors_{kind}"] = int(errors.get(kind, 0) or 0)
+    return out
+
+
+def window_section(sums: dict[str, int]) -> dict | None:
+    """The balance report's ``agent`` section from summed counters (None without episodes)."""
+    episodes = int(sums.get("agent_episodes", 0))
+    if episodes == 0:
+        return None
+    calls = int(sums.get("tool_calls", 0))
+    return {"episodes": episodes,
+            "tool_call_rate": round(sums.get("tool_episodes", 0) / episodes, 4),
+            "tool_calls_per_episode": round(calls / episodes, 4),
+            "tool_errors": {k: int(sums.get(f"tool_errors_{k}", 0)) for k in ERROR_KINDS}}
+
+
+def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
+    """Per-sample means for the trainer's scalars (empty when no sample comes from a tool
+    workflow): ``tool_call_rate`` (share of episodes with a call), ``tool_calls``, ``turns``,
+    and ``tool_errors/<kind>`` (failed calls of that kind per episode)."""
+    rows = [m for m in metadatas if m and "tool_calls" in m]
+    if not rows:
+        return {}
+    n = len(rows)
+    out = {"tool_call_rate": sum(int(m["tool_calls"] or 0) > 0 for m in rows) / n,
+           "tool_calls": sum(int(m["tool_calls"] or 0) for m in rows) / n,
+           "turns": sum(int(m.get("turns") or 0) for m in rows) / n}
+    for kind in ERROR_KINDS:
+        out[f"tool_errors/{kind}"] = sum(int((m.get("tool_errors") or {}).get(kind, 0) or 0)
+                                         for m in rows) / n
+    return out
