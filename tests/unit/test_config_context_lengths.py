@@ -93,6 +93,7 @@ def worst_cases(config, prompt_tokens: int) -> list[tuple[str, str, int]]:
     """``(model_id, what, tokens)``: each engine's longest prompt plus its generation budget."""
     from astralight.workflows import code_testgen, solver_verifier
     from astralight.workflows.single_turn import SingleTurnWorkflow
+    from astralight.workflows.tool_agent import ToolAgentWorkflow
 
     wf, P, O = config.workflow, prompt_tokens, CHAT_OVERHEAD
     if isinstance(wf, solver_verifier.SolverVerifier):
@@ -137,6 +138,18 @@ def worst_cases(config, prompt_tokens: int) -> list[tuple[str, str, int]]:
         # template with the generation prompt (prompt_format: messages), what the engine gets
         return [(m, "completion", P + _gen(wf.sampling, wf.eval_sampling))
                 for m in config.model_ids]
+    if isinstance(wf, ToolAgentWorkflow):
+        # an episode ends unanswered once it reaches max_total_tokens or the engine's context:
+        # the context must hold max_total_tokens, and the first turn (system prompt, the tools'
+        # JSON schemas as the template lists them, the question, one turn's max_tokens) must fit
+        import json
+
+        tools = len(json.dumps(wf.toolbox.schemas(), ensure_ascii=False).encode("utf-8"))
+        first = len(wf.system_prompt.encode("utf-8")) + tools + P + O + _gen(wf.sampling,
+                                                                              wf.eval_sampling)
+        return [case for m in config.model_ids
+                for case in ((m, "episode (max_total_tokens)", wf.max_total_tokens),
+                             (m, "first turn", first))]
     raise AssertionError(f"{type(wf).__name__}: no context bound for this workflow here; add its "
                          "worst-case prompt to worst_cases() in this test")
 
@@ -165,7 +178,7 @@ def test_configs_found():
 
 
 @pytest.mark.parametrize("path", RAAS_CONFIGS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_every_engine_holds_its_longest_prompt_and_generation(path):
+def test_every_engine_holds_its_longest_prompt_and_generation(path, stand_in_search_corpora):
     config = _parse(path)
     problems = shortfalls(config, _max_prompt_tokens(path))
     assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)

@@ -62,7 +62,7 @@ def test_dataflow_config(path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if _kind(p) == "raas"],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_raas_config(path):
+def test_raas_config(path, stand_in_search_corpora):
     from raas.config import parse_config
 
     config = parse_config(["--config", str(path)])
