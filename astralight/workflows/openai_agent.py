@@ -1,0 +1,398 @@
+"""Bring your own agent: a plain ``openai``-client function, run once per episode and trained
+unchanged through the RaaS's OpenAI-compatible endpoint (:mod:`astralight.raas.openai_endpoint`).
+
+The agent is an ordinary function (named by import path, or passed as a callable)::
+
+    def agent(task: dict, base_url: str, api_key: str, model: str, **agent_kwargs) -> str:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key)
+        ...client.chat.completions.create(model=model, messages=..., tools=...)...
+        return final_answer_text
+
+``task`` is a plain dict: ``task_id``, ``prompt`` (the task's prompt, text or chat messages),
+``messages`` (the prompt as chat messages, after ``system_prompt`` when one is configured),
+``metadata`` (the task's metadata; it holds what the reward checks against, so do not show it to
+the model), ``kind`` (``train`` / ``eval``) and ``episode`` (0..n-1). An ``async def`` agent works
+too (with ``openai.AsyncOpenAI``); it runs in its own event loop on the agent's thread. Each agent
+runs on a daemon thread of its own, at most ``max_parallel_agents`` at once, with ``timeout_s``
+per episode counted from its start. Not on the loop's shared executor (``blocking``): an agent
+holds its thread for its whole episode, so agents would starve the rewards and environment steps
+that executor serves; and not on a ``ThreadPoolExecutor`` either, whose threads the interpreter
+joins at exit, so one agent stuck in its own code would keep the RaaS from ever exiting.
+
+Its return value is the episode's answer: text as is, ``None`` as ``""``, anything else as JSON.
+``reward(answer, task.metadata)`` scores the episode. An agent that raises or times out is logged
+and counted (:attr:`OpenAIAgentWorkflow.stats`) and gives no sample for that episode; its calls
+after a timeout are refused (404), so it stops soon.
+
+Samples (:func:`merge_calls`): the endpoint recorded every call's prompt and completion tokens.
+A call whose prompt token ids start with the tokens of an earlier segment (that segment's prompt,
+completions and everything between) extends it -- the usual case of an agent that appends the
+model's message and the tool results to its conversation: the new prompt tokens between the two
+completions (the template's closing of the assistant turn, tool results, the next generation
+prompt) are masked (loss mask 0, version -1, log-prob 0), the completion is trained. Any other
+call starts a new segment (an agent that rewrites, summarises or truncates its history, or a
+template that re-renders earlier turns differently, or a tokenizer that merges across the
+boundary). Each segment is one sample.
+
+Group rule for an episode split into several samples: every sample of the episode carries the
+episode's reward and ``group_index`` = the episode's index (0..n-1); ``sample_index`` numbers the
+task's samples consecutively; ``metadata`` says ``episode``, ``segment``, ``segments``. The
+dataflow's group baseline is taken over samples, so a split episode weighs as many samples as it
+has segments in its group's mean and std (as in per-call RL agent trainers, e.g. Agent
+Lightning's transition samples); an appending agent gives one sample per episode and the
+baseline is the usual per-episode GRPO one. Eval tasks keep one sample per episode (its last
+segment), so avg@k counts episodes. ``merge=False`` gives one sample per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import json
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from astralight.agents.tools import ERROR_KINDS
+from astralight.protocol import Sample, Task
+from astralight.raas.engine import SamplingSpec, gather_all
+from astralight.rewards.base import Reward
+from astralight.workflows.base import Workflow, blocking
+from astralight.workflows.tool_agent import task_messages
+
+log = logging.getLogger(__name__)
+
+#: the answer text kept in sample metadata is cut to this many characters
+MAX_ANSWER_CHARS = 500
+
+
+def load_agent(agent: Any) -> Callable[..., Any]:
+    """The agent function from an import path (``pkg.module.function``) or a callable."""
+    if callable(agent):
+        return agent
+    if not isinstance(agent, str) or "." not in agent:
+        raise ValueError(f"agent: expected an import path like pkg.module.function or a "
+                         f"callable, got {agent!r}")
+    module, _, name = agent.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"agent: cannot import {agent!r} ({exc}); is its folder on "
+                         "PYTHONPATH (recipe env.raas.PYTHONPATH)?") from None
+    if not callable(fn):
+        raise ValueError(f"agent: {agent!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def answer_text(value: Any) -> str:
+    """An agent's return value as the text the reward scores."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+@dataclass
+class Segment:
+    """Consecutive calls merged into one token stream (see the module docstring)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    versions: list[int]
+    prompt_len: int
+    calls: list[int] = field(default_factory=list)
+
+    def add_completion(self, record: Any) -> None:
+        self.token_ids += record.completion_ids
+        self.logprobs += record.logprobs
+        self.loss_mask += [1] * len(record.completion_ids)
+        self.versions += record.versions
+        self.calls.append(record.index)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+def merge_calls(calls: Sequence[Any], merge: bool = True) -> list[Segment]:
+    """The episode's calls (``CallRecord``\\ s, in call order) as segments: a call extends the
+    segment whose tokens its prompt starts with (the longest such, when several), else starts a
+    new one; ``merge=False``: one segment per call."""
+    segments: list[Segment] = []
+    for rec in calls:
+        prompt = list(rec.prompt_ids)
+        target = None
+        if merge:
+            for seg in segments:
+                n = len(seg.token_ids)
+                if n <= len(prompt) and prompt[:n] == seg.token_ids and (
+                        target is None or n > len(target.token_ids)):
+                    target = seg
+        if target is None:
+            target = Segment([], [], [], [], prompt_len=len(prompt))
+            target.add_context(prompt)
+            segments.append(target)
+        else:
+            target.add_context(prompt[len(target.token_ids):])
+        target.add_completion(rec)
+    return [s for s in segments if any(s.loss_mask)]
+
+
+@dataclass
+class EpisodeResult:
+    """What one agent run left: its calls, answer, reward and how it ended."""
+
+    calls: list
+    answer: str = ""
+    reward: float = 0.0
+    end: str = "answer"  # answer | error | timeout | no_calls
+
+
+class OpenAIAgentWorkflow(Workflow):
+    """Runs a user's ``openai``-client agent once per episode (``Task.workflow ==
+    "openai_agent"``) and trains on what its calls generated.
+
+    Args:
+        agent: import path of the agent function (see the module docstring), or the callable.
+        reward: scores the agent's answer text against ``task.metadata``.
+        sampling / eval_sampling: defaults for what a request leaves unset (temperature, top_p,
+            max_tokens, seed) on train / eval tasks; with a seed, call ``i`` of episode ``g`` is
+            seeded from ``(task_id, g + i * n)``.
+        force_sampling: the sampling's temperature and top_p replace the request's (an agent
+            written with ``temperature=0`` still explores in training).
+        timeout_s: most seconds per episode (the agent's thread is not killed: its later calls
+            are refused).
+        max_calls: most model calls per episode (a further call is a 400 to the agent).
+        max_context_tokens: most prompt + completion tokens per call (also bounded by the
+            engine's ``max_model_len``).
+        system_prompt: put first in ``task["messages"]`` for text prompts ("" for none).
+        chat_template_kwargs: extra chat template variables (``enable_thinking``...).
+        merge: merge calls that extend each other into one sample (see :func:`merge_calls`).
+        max_parallel_agents: agents running at once (each on a daemon thread of its own); the
+            episodes beyond wait for a slot before their timeout starts.
+        agent_kwargs: extra keyword arguments for every agent call (its configuration).
+        role: the samples' role tag.
+        endpoint: the :class:`~astralight.raas.openai_endpoint.OpenAIEndpoint` to serve through
+            (default: the process's shared one, started on first use).
+    """
+
+    name = "openai_agent"
+
+    def __init__(self, agent: Any, reward: Reward, sampling: SamplingSpec | None = None,
+                 eval_sampling: SamplingSpec | None = None, force_sampling: bool = False,
+                 timeout_s: float = 300.0, max_calls: int = 16,
+                 max_context_tokens: int | None = None, system_prompt: str = "",
+                 chat_template_kwargs: dict | None = None, merge: bool = True,
+                 max_parallel_agents: int = 128, agent_kwargs: dict | None = None,
+                 role: str = "", endpoint: Any = None):
+        if not callable(reward):
+            raise TypeError(f"reward: expected a Reward, got {type(reward).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0 seconds, got {timeout_s}")
+        if max_calls < 1:
+            raise ValueError(f"max_calls: must be >= 1, got {max_calls}")
+        if max_context_tokens is not None and max_context_tokens < 2:
+            raise ValueError(f"max_context_tokens: must be >= 2 or None, got {max_context_tokens}")
+        if max_parallel_agents < 1:
+            raise ValueError(f"max_parallel_agents: must be >= 1, got {max_parallel_agents}")
+        self.agent = load_agent(agent)
+        self.agent_kwargs = dict(agent_kwargs or {})
+        try:
+            inspect.signature(self.agent).bind({}, base_url="", api_key="", model="",
+                                               **self.agent_kwargs)
+        except TypeError as exc:
+            raise ValueError(f"agent: {getattr(self.agent, '__name__', self.agent)} must accept "
+                             "(task, base_url, api_key, model"
+                             f"{''.join(', ' + k for k in self.agent_kwargs)}): {exc}") from None
+        except ValueError:  # no signature to inspect (a builtin): trust it
+            pass
+        self.reward = reward
+        self.sampling = sampling or SamplingSpec()
+        self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
+                                                           max_tokens=self.sampling.max_tokens)
+        self.force_sampling = bool(force_sampling)
+        self.timeout_s = float(timeout_s)
+        self.max_calls = int(max_calls)
+        self.max_context_tokens = max_context_tokens
+        self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.merge = bool(merge)
+        self.max_parallel_agents = int(max_parallel_agents)
+        self.role = role
+        self.endpoint = endpoint
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> Semaphore
+        #: counters over the workflow's life (episodes, failures, calls, samples)
+        self.stats = {"episodes": 0, "agent_errors": 0, "agent_timeouts": 0, "no_calls": 0,
+                      "calls": 0, "merged_calls": 0, "samples": 0}
+
+    # -- plumbing
+
+    def _endpoint(self) -> Any:
+        if self.endpoint is None:
+            from astralight.raas.openai_endpoint import shared_endpoint
+
+            self.endpoint = shared_endpoint()
+        return self.endpoint
+
+    async def _on_thread(self, fn: Callable[[], Any], name: str) -> Any:
+        """``fn()`` on a daemon thread of its own, awaited; cancelling the wait leaves the thread
+        to finish unobserved (it cannot be killed; its endpoint calls are refused by then)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not done.done():
+                (done.set_result if ok else done.set_exception)(value)
+
+        def target() -> None:
+            try:
+                ok, value = True, fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting episode
+                ok, value = False, exc
+            try:
+                loop.call_soon_threadsafe(settle, ok, value)
+            except RuntimeError:  # the loop is gone (the RaaS stopped): nobody waits
+                pass
+
+        threading.Thread(target=target, name=name, daemon=True).start()
+        return await done
+
+    def _call_agent(self, task_view: dict, base_url: str, api_key: str, model: str) -> Any:
+        """On an agent thread: the agent, to its end (an async agent in its own loop)."""
+        out = self.agent(task_view, base_url=base_url, api_key=api_key, model=model,
+                         **self.agent_kwargs)
+        if inspect.isawaitable(out):
+            async def wait():
+                return await out
+
+            out = asyncio.run(wait())
+        return out
+
+    # -- episodes
+
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        jobs = []
+        for model_id in task.model_ids:
+            engine = engines.get(model_id)
+            if engine is None:
+                raise KeyError(f"task.model_ids: no engine for {model_id!r} (task "
+                               f"{task.task_id}); this RaaS serves {sorted(engines)}")
+            jobs += [(model_id, engine, g) for g in range(task.n)]
+        messages = task_messages(task, self.system_prompt)
+        played = await gather_all(*(self.play(task, messages, engine, model_id, g)
+                                    for model_id, engine, g in jobs))
+        samples: list[Sample] = []
+        for (model_id, _, g), ep in zip(jobs, played):
+            samples += self.episode_samples(task, model_id, g, ep, len(samples))
+        self.stats["samples"] += len(samples)
+        return samples
+
+    async def play(self, task: Task, messages: list[dict], engine: Any, model_id: str,
+                   slot: int) -> EpisodeResult:
+        """One agent run through its own endpoint episode; never raises for the agent's
+        failures (they end it as ``error`` / ``timeout``)."""
+        from astralight.raas.openai_endpoint import EpisodeSettings
+
+        endpoint = self.endpoint or await blocking(self._endpoint)  # started once, off the loop
+        settings = EpisodeSettings(
+            sampling=self.eval_sampling if task.kind == "eval" else self.sampling,
+            force_sampling=self.force_sampling, max_calls=self.max_calls,
+            chat_template_kwargs=self.chat_template_kwargs,
+            max_context_tokens=self.max_context_tokens, seed_key=task.task_id, seed_slot=slot,
+            seed_stride=max(1, task.n))
+        view = {"task_id": task.task_id, "prompt": task.prompt,
+                "messages": [dict(m) for m in messages], "metadata": dict(task.metadata),
+                "kind": task.kind, "episode": slot}
+        self.stats["episodes"] += 1
+        loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = asyncio.Semaphore(self.max_parallel_agents)
+        async with slots:
+            return await self._play(task, view, endpoint, settings, engine, model_id, slot)
+
+    async def _play(self, task: Task, view: dict, endpoint: Any, settings: Any, engine: Any,
+                    model_id: str, slot: int) -> EpisodeResult:
+        ep = endpoint.open_episode(engine, model_id, settings)
+        call = functools.partial(self._call_agent, view, endpoint.base_url(ep.id),
+                                 endpoint.token, model_id)
+        end, value = "answer", None
+        try:
+            value = await asyncio.wait_for(
+                self._on_thread(call, f"openai-agent-{task.task_id}-{slot}"), self.timeout_s)
+        except asyncio.TimeoutError:
+            end = "timeout"
+            self.stats["agent_timeouts"] += 1
+            log.warning("task %s episode %d: the agent did not finish in timeout_s=%g s; no "
+                        "sample (%d timeouts so far)", task.task_id, slot, self.timeout_s,
+                        self.stats["agent_timeouts"])
+        except Exception as exc:  # noqa: BLE001 - the user's agent failed: counted, not fatal
+            end = "error"
+            self.stats["agent_errors"] += 1
+            log.warning("task %s episode %d: the agent raised %s: %s; no sample (%d agent "
+                        "errors so far)", task.task_id, slot, type(exc).__name__, exc,
+                        self.stats["agent_errors"], exc_info=self.stats["agent_errors"] == 1)
+        finally:
+            calls = endpoint.close_episode(ep.id)
+        self.stats["calls"] += len(calls)
+        result = EpisodeResult(calls=calls, end=end)
+        if end != "answer":
+            return result
+        if not calls:
+            result.end = "no_calls"
+            self.stats["no_calls"] += 1
+            log.warning("task %s episode %d: the agent made no model call; no sample",
+                        task.task_id, slot)
+            return result
+        result.answer = answer_text(value)
+        result.reward = await self.score(result.answer, task.metadata)
+        return result
+
+    def episode_samples(self, task: Task, model_id: str, slot: int, ep: EpisodeResult,
+                        first_index: int) -> list[Sample]:
+        """The samples of one finished episode (none for a failed one)."""
+        if ep.end != "answer":
+            return []
+        segments = merge_calls(ep.calls, self.merge)
+        self.stats["merged_calls"] += len(ep.calls) - len(segments)
+        if task.kind == "eval" and segments:
+            last = ep.calls[-1].index
+            segments = [s for s in segments if last in s.calls][-1:]
+        errors = {k: 0 for k in ERROR_KINDS}
+        for r in ep.calls:
+            for kind, count in r.tool_call_errors.items():
+                errors[kind] = errors.get(kind, 0) + count
+        meta = {"episode": slot, "segments": len(segments), "turns": len(ep.calls),
+                "end": ep.end, "answer": ep.answer[:MAX_ANSWER_CHARS],
+                "tool_calls": sum(len(r.tool_calls) for r in ep.calls), "tool_errors": errors,
+                "temperature": float(ep.calls[0].temperature)}
+        out = []
+        for j, seg in enumerate(segments):
+            out.append(Sample(
+                task_id=task.task_id, sample_index=first_index + j, model_id=model_id,
+                token_ids=np.asarray(seg.token_ids, dtype=np.int32),
+                logprobs=np.asarray(seg.logprobs, dtype=np.float32),
+                loss_mask=np.asarray(seg.loss_mask, dtype=np.uint8),
+                versions=np.asarray(seg.versions, dtype=np.int32),
+                reward=float(ep.reward), prompt_len=seg.prompt_len, group_index=slot,
+                role=self.role,
+                metadata={**meta, "segment": j, "calls": len(seg.calls)}))
+        return out
+
+    async def score(self, text: str, metadata: dict) -> float:
+        if getattr(self.reward, "cheap", False):
+            return float(self.reward(text, metadata))
+        return float(await blocking(self.reward, text, metadata))

@@ -1,0 +1,364 @@
+"""The RaaS's OpenAI-compatible endpoint and the bring-your-own-agent workflow, driven by the real
+``openai`` client against a scripted engine (tests/unit/engine_fakes.py).
+
+Checked: the bearer token (missing / wrong refused), 400s that name the field, tool calls in the
+OpenAI schema, records with the exact token ids, log-probs and versions; the workflow's merge rule
+(an appending agent gives one sample per episode with tool tokens masked, a rewriting one a sample
+per call with one group index), failing and timed-out agents (no sample, counted), eval tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from astralight.agents.chat import encode, render
+from astralight.protocol import Task
+from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
+from astralight.rewards.toy import ExactMatchReward
+from astralight.tinymodel import build_chat_tokenizer
+from astralight.workflows.openai_agent import OpenAIAgentWorkflow, merge_calls
+from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
+
+
+def _example_agent():
+    spec = importlib.util.spec_from_file_location("openai_agent_example",
+                                                  ROOT / "examples/openai_agent/agent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _example_agent()
+
+
+def calculator(prompt: str, k: int) -> str:
+    """The scripted policy: call add first, copy its result once it is in the context."""
+    if "<tool_response>\n579\n" in prompt:
+        return "579"
+    return "Let me add." + CALL if "123+456=" in prompt else "0"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    ep = OpenAIEndpoint().start()
+    yield ep
+    ep.close()
+
+
+@pytest.fixture
+def engine(tok):
+    eng = PromptScriptEngine(calculator, tok, version=3, max_model_len=512, logprob=-0.5)
+    yield eng
+    eng.close()
+
+
+def in_episode(endpoint, engine, fn, settings=None):
+    """``fn(base_url, api_key)`` on a thread while an episode is open; ``(result, records)``."""
+    async def main():
+        ep = endpoint.open_episode(engine, "policy", settings)
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(
+                None, fn, endpoint.base_url(ep.id), endpoint.token)
+        finally:
+            records = endpoint.close_episode(ep.id)
+        return out, records
+
+    return asyncio.run(main())
+
+
+MSGS = [{"role": "system", "content": "Answer with the number."},
+        {"role": "user", "content": "123+456="}]
+
+
+def test_token_is_required(endpoint, engine):
+    def call(base_url, key):
+        out = []
+        for api_key in ("wrong-token", ""):
+            client = openai.OpenAI(base_url=base_url, api_key=api_key or "x", max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as err:
+                client.chat.completions.create(model="policy", messages=MSGS)
+            out.append(err.value.status_code)
+        bare = httpx.post(f"{base_url}/chat/completions", json={"model": "policy",
+                                                                "messages": MSGS})
+        out.append((bare.status_code, bare.json()["error"]["param"]))
+        browser = httpx.post(f"{base_url}/chat/completions", json={"model": "policy",
+                                                                   "messages": MSGS},
+                             headers={"Authorization": f"Bearer {key}",
+                                      "Origin": "http://evil.example"})
+        out.append(browser.status_code)
+        return out
+
+    out, records = in_episode(endpoint, engine, call)
+    assert out == [401, 401, (401, "authorization"), 403]
+    assert records == [] and engine.requests == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"n": 2}, "n"),
+    ({"stream": True}, "stream"),
+    ({"temperature": 5.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"stop": ["ab"]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"extra_body": {"best_of": 3}}, "best_of"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_bad_requests_name_the_field(endpoint, engine, kwargs, param):
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        args = {"model": "policy", "messages": MSGS, **kwargs}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**args)
+        return err.value.status_code, err.value.body
+
+    (status, body), records = in_episode(endpoint, engine, call)
+    assert status == 400 and body["param"] == param and param in body["message"]
+    assert records == [] and engine.requests == []
+
+
+def test_unknown_model_and_episode_are_404(endpoint, engine):
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.NotFoundError) as wrong_model:
+            client.chat.completions.create(model="gpt-4o", messages=MSGS)
+        other = openai.OpenAI(base_url=base_url.rsplit("/", 1)[0] + "/0123abcd", api_key=key,
+                              max_retries=0)
+        with pytest.raises(openai.NotFoundError) as wrong_episode:
+            other.chat.completions.create(model="policy", messages=MSGS)
+        listed = [m.id for m in client.models.list()]
+        return wrong_model.value.body["param"], wrong_episode.value.body["param"], listed
+
+    (model_param, episode_param, listed), _ = in_episode(endpoint, engine, call)
+    assert (model_param, episode_param, listed) == ("model", "episode_id", ["policy"])
+
+
+def test_tool_calls_in_openai_schema_and_exact_records(endpoint, engine, tok):
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        first = client.chat.completions.create(model="policy", messages=MSGS, tools=EXAMPLE.TOOLS,
+                                               logprobs=True, seed=5)
+        msg = first.choices[0].message
+        follow = MSGS + [{"role": "assistant", "content": msg.content,
+                          "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+                         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "579"}]
+        second = client.chat.completions.create(model="policy", messages=follow,
+                                                tools=EXAMPLE.TOOLS, max_tokens=8)
+        return first, second, follow
+
+    (first, second, follow), records = in_episode(endpoint, engine, call)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    [tc] = choice.message.tool_calls
+    assert tc.type == "function" and tc.function.name == "add"
+    assert json.loads(tc.function.arguments) == {"a": 123, "b": 456}
+    assert [t.logprob for t in choice.logprobs.content] == [-0.5] * first.usage.completion_tokens
+    assert second.choices[0].message.content == "579"
+    assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
+    # the records: exactly the template's rendering, the engine's tokens, versions, sampling
+    assert [r.index for r in records] == [0, 1]
+    r0, r1 = records
+    assert r0.prompt_ids == encode(tok, render(tok, MSGS, EXAMPLE.TOOLS, True))
+    assert r1.prompt_ids == encode(tok, render(tok, follow, EXAMPLE.TOOLS, True))
+    assert r0.completion_ids == encode(tok, "Let me add." + CALL) + [tok.eos_token_id]
+    assert r1.completion_ids == encode(tok, "579") + [tok.eos_token_id]
+    assert first.usage.prompt_tokens == len(r0.prompt_ids)
+    assert first.usage.completion_tokens == len(r0.completion_ids)
+    assert r0.logprobs == [-0.5] * len(r0.completion_ids) and r0.versions == [3] * len(
+        r0.completion_ids)
+    assert r0.tool_calls[0]["function"]["name"] == "add" and r1.tool_calls == []
+    specs = [spec for _, spec in engine.requests]
+    assert specs[0].seed == 5 and specs[1].max_tokens == 8 and specs[1].temperature == 1.0
+    # the re-rendered assistant turn is what the model generated: the calls merge
+    [seg] = merge_calls(records)
+    assert seg.token_ids[:len(r1.prompt_ids)] == r1.prompt_ids
+
+
+def test_context_too_long_and_max_calls(endpoint, tok):
+    eng = PromptScriptEngine(calculator, tok, max_model_len=40)
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as long:
+            client.chat.completions.create(model="policy", messages=MSGS)
+        short = [{"role": "user", "content": "1+1="}]
+        client.chat.completions.create(model="policy", messages=short, max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as many:
+            client.chat.completions.create(model="policy", messages=short)
+        return long.value.body, many.value.body
+
+    try:
+        (long, many), records = in_episode(endpoint, eng, call, EpisodeSettings(max_calls=2))
+    finally:
+        eng.close()
+    assert long["code"] == "context_length_exceeded" and long["param"] == "messages"
+    assert many["code"] == "max_calls_exceeded"
+    assert len(records) == 1 and eng.requests[0][1].max_tokens == 4
+
+
+def test_sampling_defaults_and_forced_sampling(endpoint, engine):
+    from astralight.raas.engine import SamplingSpec
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=MSGS)
+        client.chat.completions.create(model="policy", messages=MSGS, temperature=0.0, top_p=0.5)
+
+    defaults = EpisodeSettings(sampling=SamplingSpec(temperature=0.7, max_tokens=9, seed=11),
+                               seed_key="t", seed_slot=1, seed_stride=4)
+    in_episode(endpoint, engine, call, defaults)
+    forced = EpisodeSettings(sampling=SamplingSpec(temperature=0.7), force_sampling=True)
+    in_episode(endpoint, engine, call, forced)
+    specs = [spec for _, spec in engine.requests]
+    assert [(s.temperature, s.top_p, s.max_tokens) for s in specs] == [
+        (0.7, 1.0, 9), (0.0, 0.5, 9), (0.7, 1.0, 64), (0.7, 1.0, 64)]
+    # seeded defaults: call i of episode slot g gets the seed of request g + i * stride
+    base = SamplingSpec(temperature=0.7, max_tokens=9, seed=11)
+    assert [specs[0].seed, specs[1].seed] == [base.for_request(1, "t").seed,
+                                              base.for_request(5, "t").seed]
+
+
+# ----------------------------------------------------------------------------- the workflow
+
+
+def _task(task_id="t0", n=2, kind="train"):
+    return Task(task_id=task_id, prompt="123+456=", n=n, model_ids=["policy"], kind=kind,
+                metadata={"answer": "579"})
+
+
+def test_appending_agent_merges_into_one_masked_sample(endpoint, engine, tok):
+    wf = OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward(), endpoint=endpoint)
+    samples = run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"]
+    assert [s.sample_index for s in samples] == [0, 1]
+    assert sorted(s.group_index for s in samples) == [0, 1]
+    for s in samples:
+        assert s.reward == 1.0 and s.metadata["segments"] == 1 and s.metadata["turns"] == 2
+        assert s.metadata["tool_calls"] == 1 and s.metadata["answer"] == "579"
+        ids = s.token_ids.tolist()
+        first = encode(tok, render(tok, MSGS, EXAMPLE.TOOLS, True))
+        gen1 = encode(tok, "Let me add." + CALL) + [tok.eos_token_id]
+        gen2 = encode(tok, "579") + [tok.eos_token_id]
+        assert s.prompt_len == len(first) and ids[:len(first)] == first
+        mask = s.loss_mask.tolist()
+        # trained: exactly the two completions; masked: the prompt, the tool turn between them
+        assert [t for t, m in zip(ids, mask) if m] == gen1 + gen2
+        tool_part = [t for t, m in zip(ids[len(first) + len(gen1):], mask[len(first) + len(gen1):])
+                     if not m]
+        assert "<tool_response>\n579\n</tool_response>" in tok.decode(tool_part)
+        assert ids[-len(gen2):] == gen2 and mask[-len(gen2):] == [1] * len(gen2)
+        versions = s.versions.tolist()
+        assert {v for v, m in zip(versions, mask) if m} == {3}
+        assert {v for v, m in zip(versions, mask) if not m} == {-1}
+        assert np.all(s.logprobs[s.loss_mask == 0] == 0.0)
+        assert np.allclose(s.logprobs[s.loss_mask == 1], -0.5)
+    assert wf.stats["merged_calls"] == 2 and wf.stats["agent_errors"] == 0
+
+
+def rewriting_agent(task, base_url, api_key, model):
+    """Calls twice with unrelated histories (the second prompt does not extend the first)."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "9+9="}])
+    reply = client.chat.completions.create(model=model, messages=[
+        {"role": "user", "content": task["prompt"] + " (tool said 579)"}])
+    return reply.choices[0].message.content
+
+
+def test_rewriting_agent_gives_a_sample_per_call_in_one_group(endpoint, engine):
+    wf = OpenAIAgentWorkflow(rewriting_agent, ExactMatchReward(), endpoint=endpoint)
+    samples = run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"]
+    assert [s.sample_index for s in samples] == [0, 1, 2, 3]
+    by_episode = {}
+    for s in samples:
+        by_episode.setdefault(s.group_index, []).append(s)
+    assert sorted(by_episode) == [0, 1]
+    for group in by_episode.values():
+        assert [s.metadata["segment"] for s in group] == [0, 1]
+        assert {s.metadata["segments"] for s in group} == {2}
+        assert len({s.reward for s in group}) == 1  # the episode's reward on each
+
+
+def test_merge_off_and_eval_keep_one_sample_rule(endpoint, engine):
+    split = OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward(), merge=False,
+                                endpoint=endpoint)
+    samples = run_tasks(split, [_task(n=1)], {"policy": engine})["t0"]
+    assert len(samples) == 2 and {s.group_index for s in samples} == {0}
+    ev = OpenAIAgentWorkflow(rewriting_agent, ExactMatchReward(), endpoint=endpoint)
+    samples = run_tasks(ev, [_task("e0", n=3, kind="eval")], {"policy": engine})["e0"]
+    assert len(samples) == 3 and sorted(s.group_index for s in samples) == [0, 1, 2]
+
+
+def failing_agent(task, base_url, api_key, model):
+    if task["episode"] == 0:
+        raise RuntimeError("the agent broke")
+    return EXAMPLE.calculator_agent(task, base_url, api_key, model)
+
+
+def slow_agent(task, base_url, api_key, model):
+    """Times out, then tries to call: its episode is closed by then."""
+    time.sleep(0.6)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    try:
+        client.chat.completions.create(model=model, messages=MSGS)
+    except openai.NotFoundError:
+        SLOW_SEEN.append("404")
+    return "579"
+
+
+SLOW_SEEN: list = []
+
+
+def test_failing_and_timed_out_agents_give_no_samples(endpoint, engine):
+    wf = OpenAIAgentWorkflow(failing_agent, ExactMatchReward(), endpoint=endpoint)
+    samples = run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"]
+    assert [s.group_index for s in samples] == [1] and samples[0].sample_index == 0
+    assert wf.stats["agent_errors"] == 1
+    slow = OpenAIAgentWorkflow(slow_agent, ExactMatchReward(), timeout_s=0.2, endpoint=endpoint)
+    assert run_tasks(slow, [_task(n=1)], {"policy": engine})["t0"] == []
+    assert slow.stats["agent_timeouts"] == 1
+    deadline = time.monotonic() + 10
+    while not SLOW_SEEN and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert SLOW_SEEN == ["404"]
+
+
+def test_agent_signature_is_checked():
+    with pytest.raises(ValueError, match="agent:"):
+        OpenAIAgentWorkflow(lambda task: "x", ExactMatchReward())
+    with pytest.raises(ValueError, match="agent:"):
+        OpenAIAgentWorkflow("no_such_module.agent", ExactMatchReward())
+
+
+async def async_agent(task, base_url, api_key, model):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model=model, messages=MSGS)
+    return reply.choices[0].message.content
+
+
+def test_async_agent(endpoint, engine):
+    wf = OpenAIAgentWorkflow(async_agent, ExactMatchReward(), endpoint=endpoint)
+    [s] = run_tasks(wf, [_task(n=1)], {"policy": engine})["t0"]
+    # no tools declared: the tool-call text is the content, and it is not the answer
+    assert s.reward == 0.0 and s.metadata["tool_calls"] == 0
+    assert "<tool_call>" in s.metadata["answer"]
