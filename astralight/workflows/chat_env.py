@@ -1,0 +1,191 @@
+"""Multi-turn environment episodes on a chat template: observation (user) -> action (assistant).
+
+The chat-template counterpart of :class:`~astralight.workflows.multi_turn.MultiTurnWorkflow`,
+laid out like :class:`~astralight.workflows.tool_agent.ToolAgentWorkflow`: each episode is one
+:class:`~astralight.agents.chat.ChatTranscript`. The environment's first observation (its
+``reset(task)``) is the first user message (after ``system_prompt``); every assistant turn is
+generated and kept token-exact (trained: loss mask 1, behaviour log-probs, per-token versions);
+its text (stop token and a leading ``<think>...</think>`` left out) is the action for
+``env.step``, and the observation that comes back is the next user message, as the template
+renders it (masked: loss mask 0, version -1).
+
+With ``tools``, a turn that calls tools (``<tool_call>{json}</tool_call>``, parsed by
+:func:`~astralight.agents.tools.parse_tool_calls`) does not act on the environment: the tools run
+(:class:`~astralight.agents.tools.ToolBox`, failures become error results) and their results are
+the next (masked) messages; the next turn without a call is the next action. Without tools every
+turn is an action, whatever it contains.
+
+An episode ends when the environment says done (``end: done``), after ``max_turns`` assistant
+turns (``max_turns``; tool turns count), or when ``max_total_tokens`` (or the engine's
+``max_model_len``) leaves no room (``token_budget``). Its reward is the sum of its step rewards.
+
+Sample metadata: ``turns`` (assistant turns), ``actions`` (the commands sent, in order),
+``step_rewards``, ``end``, ``temperature``, ``tool_calls`` and ``tool_errors`` (as the tool
+agent's, so the trainer and the dataflow count them), and ``env``: what the environment's
+optional ``metrics()`` returns at the end (e.g. TextWorld's ``won``, ``score``,
+``invalid_actions``). Environments are plugins by import path (``environment`` +
+``environment_kwargs``), one instance per episode; ``reset``, ``step`` and the optional
+``close()`` run through :func:`~astralight.workflows.base.blocking`, so a slow game never holds
+another episode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any, Callable
+
+from astralight.agents.chat import ChatTranscript
+from astralight.agents.stats import ToolStats
+from astralight.agents.tools import ToolBox, parse_tool_calls
+from astralight.protocol import Sample, Task
+from astralight.raas.engine import SamplingSpec, gather_all
+from astralight.workflows.base import Workflow, blocking
+from astralight.workflows.multi_turn import Environment, _resolve
+from astralight.workflows.tool_agent import decode_turn
+
+log = logging.getLogger(__name__)
+
+_THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
+
+
+def first_messages(system_prompt: str, observation: str) -> list[dict]:
+    """An episode's prompt: the system message (if any) and the first observation as the user
+    message (what a warm start's scripted conversations must begin with too)."""
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return head + [{"role": "user", "content": observation}]
+
+
+def action_text(text: str) -> str:
+    """The action in an assistant turn: its text without a leading ``<think>...</think>``."""
+    return _THINK.sub("", text, count=1).strip()
+
+
+class ChatEnvWorkflow(Workflow):
+    """Chat episodes with an environment (``Task.workflow == "chat_env"``).
+
+    Args:
+        environment: import path (or class / factory) of an
+            :class:`~astralight.workflows.multi_turn.Environment`, built once per episode with
+            ``environment_kwargs``.
+        tools: optional tools, as for the tool agent (import paths or ``{class_path, ...}``).
+        sampling / eval_sampling: per-turn sampling for train / eval tasks; a turn's
+            ``max_tokens`` is cut to what the token budget leaves.
+        max_turns: most assistant turns per episode (actions and tool turns).
+        max_total_tokens: most tokens per episode (prompt, turns, observations, tool results).
+        system_prompt: the system message before the first observation ("" for none).
+        chat_template_kwargs: extra variables for the chat template (``enable_thinking``...).
+        max_result_chars: a longer tool result is cut.
+        role: the samples' role tag.
+    """
+
+    name = "chat_env"
+
+    def __init__(self, environment: str | type | Callable[..., Environment],
+                 environment_kwargs: dict | None = None, tools: list[Any] | None = None,
+                 sampling: SamplingSpec | None = None, eval_sampling: SamplingSpec | None = None,
+                 max_turns: int = 8, max_total_tokens: int = 4096, system_prompt: str = "",
+                 chat_template_kwargs: dict | None = None, max_result_chars: int = 2000,
+                 role: str = ""):
+        if max_turns < 1:
+            raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
+        if max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens: must be >= 1, got {max_total_tokens}")
+        self.factory = _resolve(environment)
+        self.environment_kwargs = dict(environment_kwargs or {})
+        self.toolbox = ToolBox(list(tools or []), max_result_chars=max_result_chars)
+        self.sampling = sampling or SamplingSpec()
+        self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
+                                                           max_tokens=self.sampling.max_tokens)
+        self.max_turns = int(max_turns)
+        self.max_total_tokens = int(max_total_tokens)
+        self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.role = role
+
+    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
+        jobs = []
+        for model_id in task.model_ids:
+            engine = engines.get(model_id)
+            if engine is None:
+                raise KeyError(f"task.model_ids: no engine for {model_id!r} (task "
+                               f"{task.task_id}); this RaaS serves {sorted(engines)}")
+            jobs += [(model_id, engine, g) for g in range(task.n)]
+        played = await gather_all(*(self.play(task, engine, g) for _, engine, g in jobs))
+        samples = []
+        for (model_id, _, g), (transcript, reward, meta) in zip(jobs, played):
+            if transcript.completions == 0:
+                log.warning("task %s: episode %d generated nothing (%s); no sample",
+                            task.task_id, g, meta["end"])
+                continue
+            samples.append(transcript.sample(task, model_id, len(samples), g, reward,
+                                             self.role, meta))
+        return samples
+
+    async def play(self, task: Task, engine: Any, slot: int) -> tuple[ChatTranscript, float, dict]:
+        """One episode; returns its transcript, reward and metadata."""
+        env = await blocking(self.factory, **self.environment_kwargs)
+        try:
+            return await self._play(task, engine, slot, env)
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                await blocking(close)
+
+    async def _play(self, task: Task, engine: Any, slot: int,
+                    env: Environment) -> tuple[ChatTranscript, float, dict]:
+        sampling = self.eval_sampling if task.kind == "eval" else self.sampling
+        first = await blocking(env.reset, task)
+        if not isinstance(first, str):
+            raise TypeError(f"environment: {type(env).__name__}.reset must return the first "
+                            f"observation as text, got {type(first).__name__}")
+        transcript = ChatTranscript(engine.tokenizer, first_messages(self.system_prompt, first),
+                                    self.toolbox.schemas(), **self.chat_template_kwargs)
+        limit = self.max_total_tokens
+        engine_limit = getattr(engine, "max_model_len", None)
+        if engine_limit is not None:
+            limit = min(limit, int(engine_limit))
+        stats, end, turns = ToolStats(), "", 0
+        actions: list[str] = []
+        rewards: list[float] = []
+        for turn in range(self.max_turns):
+            room = limit - len(transcript)
+            if room < 1:
+                end = "token_budget"
+                break
+            spec = sampling.for_request(slot + turn * task.n, task.task_id)
+            spec = dataclasses.replace(spec, max_tokens=min(int(spec.max_tokens), room))
+            version = int(engine.version)
+            completion = await engine.generate(list(transcript.token_ids), spec)
+            text = decode_turn(engine.tokenizer, completion)
+            transcript.add_completion(completion, version, text)
+            turns += 1
+            calls = parse_tool_calls(text) if self.toolbox.tools else []
+            last = turn + 1 == self.max_turns
+            if calls:
+                if last:
+                    end = "max_turns"  # no turn is left to read the results
+                    break
+                results = [await self.toolbox.call(c) for c in calls]
+                for r in results:
+                    stats.add(r.error)
+                transcript.add_messages([r.message() for r in results])
+                continue
+            action = action_text(text)
+            actions.append(action)
+            observation, reward, done = await blocking(env.step, action)
+            rewards.append(float(reward))
+            if done:
+                end = "done"
+                break
+            if last:
+                end = "max_turns"  # the last observation would never be acted on
+                break
+            transcript.add_messages([{"role": "user", "content": str(observation)}])
+        end = end or "max_turns"
+        metrics = getattr(env, "metrics", None)
+        meta = {"turns": turns, "actions": actions, "step_rewards": rewards, "end": end,
+                "temperature": float(sampling.temperature), **stats.as_metadata(),
+                "env": dict(metrics()) if callable(metrics) else {}}
+        return transcript, float(sum(rewards)), meta
