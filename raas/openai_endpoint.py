@@ -130,8 +130,12 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) 
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(name, f"must be a number, got {v!r}")
+    try:
+        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise _bad(name, f"must be a finite number, got {str(v)[:40]}")
     if v < lo or v > hi or (lo_open and v == lo):
         raise _bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
     return float(v)
@@ -203,6 +207,8 @@ def _messages(value: Any) -> list[dict]:
                                        allow_none=role == "assistant")
         if has_calls:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            if msg["content"] is None:  # templates test '</think>' in content: give them text
+                msg["content"] = ""
         elif msg["content"] is None:
             raise _bad(f"{where}.content", "an assistant message needs content or tool_calls")
         for key in ("name", "tool_call_id"):
@@ -518,6 +524,8 @@ class OpenAIEndpoint:
             return json.loads(b"".join(chunks) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _bad("body", f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise _bad("body", "JSON nested too deeply") from None
 
     async def _serve(self, ep: Episode, req: ChatRequest) -> dict:
         """Admit the call, run it on the episode's loop, answer a ChatCompletion."""

@@ -15,8 +15,10 @@ Why a rendering delta and not a re-render of the whole conversation: templates m
 turns differently once later messages exist (Qwen3 drops the ``<think>`` part of assistant turns
 before the last user message). The policy generated each turn from the context it had then, so
 that context -- not a later re-rendering -- is what its log-probs belong to and what is trained.
-The delta is taken against a probe history (the conversation's system message, one user message
-and one assistant turn) so that it never depends on how the template renders earlier turns. Where
+The delta is what the template renders after a probe assistant turn (the conversation's system
+message, one user message and that turn, then the new messages), so it never depends on how the
+template renders earlier turns, nor on whether it renders the last assistant turn differently
+from earlier ones (Qwen3 gives the last one an empty ``<think>`` block). Where
 the template does not re-render earlier turns, the transcript equals the template's rendering of
 the whole conversation (``tests/unit/test_chat_transcript.py`` checks both cases).
 """
@@ -113,18 +115,18 @@ class ChatTranscript:
         new = [dict(m) for m in messages]
         probe = [m for m in self.messages[:1] if m.get("role") == "system"]
         probe += [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE_TEXT}]
-        before = self._render(probe, False)
         after = self._render(probe + new, add_generation_prompt)
-        if not after.startswith(before):
+        at = after.rfind(_PROBE_TEXT)
+        if at < 0:
             raise TemplateError(
-                "chat template: rendering new messages after an assistant turn changes the text "
-                "before them, so the conversation cannot grow by appending; use a template that "
-                "renders each turn on its own")
-        at = before.rfind(_PROBE_TEXT)
-        closing = before[at + len(_PROBE_TEXT):] if at >= 0 else ""
-        if self._last_stop and closing.startswith(self._last_stop):
-            closing = closing[len(self._last_stop):]  # the model wrote the stop token itself
-        ids = encode(self.tokenizer, closing + after[len(before):])
+                "chat template: an assistant turn's content does not appear in its rendering, so "
+                "what follows it cannot be found; use a template that renders assistant content")
+        # everything after the probe turn's content: its end of turn (less the stop token the
+        # model wrote itself), the new messages, the next generation prompt
+        tail = after[at + len(_PROBE_TEXT):]
+        if self._last_stop and tail.startswith(self._last_stop):
+            tail = tail[len(self._last_stop):]
+        ids = encode(self.tokenizer, tail)
         self._append(ids, [0.0] * len(ids), 0, [-1] * len(ids))
         self.messages.extend(new)
         self._last_stop = ""

@@ -39,15 +39,34 @@ class ToolStats:
         return {"tool_calls": self.calls, "tool_errors": dict(self.errors)}
 
 
+def _count(value) -> int | None:
+    """A count from metadata: a non-negative int, else None (another workflow's own key)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def tool_calls_of(metadata: dict | None) -> int | None:
+    """The episode's tool-call count a sample's metadata states (None: not a tool workflow)."""
+    return _count(metadata.get("tool_calls")) if metadata else None
+
+
+def counts_tools(metadata: dict | None) -> bool:
+    """Whether a sample's metadata holds a tool workflow's episode counts (once per episode:
+    the later segments of an episode split into several samples do not count again)."""
+    return (bool(metadata) and _count(metadata.get("tool_calls")) is not None
+            and not metadata.get("segment"))
+
+
 def episode_counts(metadata: dict | None) -> dict[str, int]:
     """The counters one sample adds (empty for a sample of a workflow without tools)."""
-    if not metadata or "tool_calls" not in metadata:
+    if not counts_tools(metadata):
         return {}
-    calls = int(metadata.get("tool_calls") or 0)
+    calls = metadata["tool_calls"]
     out = {"agent_episodes": 1, "tool_episodes": int(calls > 0), "tool_calls": calls}
     errors = metadata.get("tool_errors") or {}
+    if not isinstance(errors, dict):
+        errors = {}
     for kind in ERROR_KINDS:
-        out[f"tool_errors_{kind}"] = int(errors.get(kind, 0) or 0)
+        out[f"tool_errors_{kind}"] = _count(errors.get(kind, 0)) or 0
     return out
 
 
@@ -67,14 +86,14 @@ def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
     """Per-sample means for the trainer's scalars (empty when no sample comes from a tool
     workflow): ``tool_call_rate`` (share of episodes with a call), ``tool_calls``, ``turns``,
     and ``tool_errors/<kind>`` (failed calls of that kind per episode)."""
-    rows = [m for m in metadatas if m and "tool_calls" in m]
+    rows = [episode_counts(m) | {"turns": _count((m or {}).get("turns")) or 0}
+            for m in metadatas if counts_tools(m)]
     if not rows:
         return {}
     n = len(rows)
-    out = {"tool_call_rate": sum(int(m["tool_calls"] or 0) > 0 for m in rows) / n,
-           "tool_calls": sum(int(m["tool_calls"] or 0) for m in rows) / n,
-           "turns": sum(int(m.get("turns") or 0) for m in rows) / n}
+    out = {"tool_call_rate": sum(r["tool_episodes"] for r in rows) / n,
+           "tool_calls": sum(r["tool_calls"] for r in rows) / n,
+           "turns": sum(r["turns"] for r in rows) / n}
     for kind in ERROR_KINDS:
-        out[f"tool_errors/{kind}"] = sum(int((m.get("tool_errors") or {}).get(kind, 0) or 0)
-                                         for m in rows) / n
+        out[f"tool_errors/{kind}"] = sum(r[f"tool_errors_{kind}"] for r in rows) / n
     return out

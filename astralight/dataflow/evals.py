@@ -17,6 +17,8 @@ import weakref
 
 import numpy as np
 
+from astralight.agents.stats import tool_calls_of
+
 from astralight.dataflow.store import Store
 from astralight.protocol import Sample, Task, encode
 from astralight.tasks.base import PromptSource
@@ -99,7 +101,7 @@ def summarize(samples: list[Sample]) -> dict:
     gen = gen[gen >= 0]
     first = [s for s in samples if int(s.metadata.get("attempt", 0)) == 0] or samples
     team = [s.metadata["team_correct"] for s in first if "team_correct" in s.metadata]
-    tools = [int(s.metadata["tool_calls"]) for s in first if "tool_calls" in s.metadata]
+    tools = [t for t in (tool_calls_of(s.metadata) for s in first) if t is not None]
     return {
         "n_samples": len(first),
         "n_correct": sum(1 for s in first if s.reward > CORRECT_THRESHOLD),

@@ -260,8 +260,12 @@ class OpenAIAgentWorkflow(Workflow):
         def target() -> None:
             try:
                 ok, value = True, fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting episode
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting episode
                 ok, value = False, exc
+            except BaseException as exc:  # noqa: BLE001 - SystemExit & co. would stop the loop
+                ok, value = False, RuntimeError(f"agent raised {type(exc).__name__}: {exc}")
+            if isinstance(value, StopIteration):  # a future cannot hold one
+                value = RuntimeError(f"agent raised StopIteration: {value}")
             try:
                 loop.call_soon_threadsafe(settle, ok, value)
             except RuntimeError:  # the loop is gone (the RaaS stopped): nobody waits

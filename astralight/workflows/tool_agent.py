@@ -142,7 +142,8 @@ class ToolAgentWorkflow(Workflow):
                 end = "answer"
                 break
             if turn + 1 == self.max_turns:
-                end = "max_turns"  # no turn is left to read the results
+                end = "max_turns"  # no turn is left to read the results: counted, not run
+                stats.calls += len(calls)
                 break
             results = [await self.toolbox.call(c) for c in calls]
             for r in results:

@@ -77,3 +77,21 @@ def test_add_messages_needs_an_assistant_turn_first(tok):
 def test_a_tokenizer_without_a_template_is_named():
     with pytest.raises(TemplateError, match="no chat template"):
         ChatTranscript(build_tokenizer(), [{"role": "user", "content": "hi"}])
+
+
+def test_a_template_that_renders_the_last_assistant_turn_differently_still_appends(tok):
+    """Qwen3's template gives the *last* assistant turn an empty think block, so the probe turn
+    renders differently before and after new messages; the delta must not depend on that."""
+    import copy
+
+    qwen_like = copy.deepcopy(tok)
+    qwen_like.chat_template = tok.chat_template.replace(
+        "<|im_start|>assistant\n{{ content }}",
+        "<|im_start|>assistant\n{% if loop.last %}<think>{{ '\\n\\n' }}</think>{{ '\\n\\n' }}{% endif %}"
+        "{{ content }}")
+    assert qwen_like.chat_template != tok.chat_template
+    t = ChatTranscript(qwen_like, [{"role": "user", "content": "q"}], TOOLS)
+    t.add_completion(turn(qwen_like, "<tool_call>{}</tool_call>", 0), 0, "<tool_call>{}</tool_call>")
+    added = t.add_messages([{"role": "tool", "name": "add", "content": "5"}])
+    assert qwen_like.decode(added) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+                                       "<|im_end|>\n<|im_start|>assistant\n")

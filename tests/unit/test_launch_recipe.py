@@ -275,3 +275,16 @@ def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
     assert wall_s_to_accuracy(tmp_path, "policy", evals, 0.85) == 61.5  # v20, published at +61.5
     assert wall_s_to_accuracy(tmp_path, "policy", evals, 0.95) is None  # never reached
     assert wall_s_to_accuracy(tmp_path / "none", "policy", evals, 0.85) is None  # no state
+
+
+def test_summary_has_the_tool_call_rate_of_a_tool_workflow_only():
+    from astralight.launch import _final_eval, build_summary
+
+    evals = {0: {"complete": True, "avg_at_k": 0.17, "tool_call_rate": 0.3},
+             60: {"complete": True, "avg_at_k": 0.58, "tool_call_rate": 0.97}}
+    out = build_summary({"models": {}}, evals, None, "policy", 60)
+    assert (out["tool_call_rate_start"], out["tool_call_rate_end"]) == (0.3, 0.97)
+    assert out["eval"][60]["tool_call_rate"] == 0.97
+    assert _final_eval(evals)["tool_call_rate_end"] == 0.97
+    plain = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.2}}, None, "policy", 0)
+    assert "tool_call_rate_start" not in plain

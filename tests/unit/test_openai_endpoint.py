@@ -362,3 +362,19 @@ def test_async_agent(endpoint, engine):
     # no tools declared: the tool-call text is the content, and it is not the answer
     assert s.reward == 0.0 and s.metadata["tool_calls"] == 0
     assert "<tool_call>" in s.metadata["answer"]
+
+
+def exiting_agent(task, base_url, api_key, model):
+    """Agent code that calls sys.exit (argparse, click...) or leaks a StopIteration."""
+    import sys
+
+    if task["episode"] == 0:
+        sys.exit(2)
+    raise StopIteration("ran out")
+
+
+def test_an_agent_that_exits_fails_its_episode_not_the_loop(endpoint, engine):
+    wf = OpenAIAgentWorkflow(exiting_agent, ExactMatchReward(), timeout_s=30, endpoint=endpoint)
+    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    # both are errors; neither waited out timeout_s (a StopIteration used to hang its future)
+    assert wf.stats["agent_errors"] == 2 and wf.stats["agent_timeouts"] == 0

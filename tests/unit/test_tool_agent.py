@@ -211,3 +211,20 @@ def test_eval_reports_count_the_episodes_that_called_a_tool():
     plain = _sample(0)
     plain.metadata = {}
     assert evals.summarize([plain])["n_tool_calling"] is None
+
+
+def test_counts_ignore_what_is_not_a_count_and_later_segments():
+    assert episode_counts({"tool_calls": [{"name": "add"}]}) == {}  # another workflow's key
+    assert episode_counts({"tool_calls": True}) == {}
+    assert episode_counts({"tool_calls": 2, "segment": 1}) == {}  # counted on segment 0
+    assert episode_counts({"tool_calls": 2, "tool_errors": "oops"})["tool_errors_timeout"] == 0
+    assert batch_scalars([{"tool_calls": "3"}]) == {}
+    odd = _sample(0)
+    odd.metadata = {"tool_calls": [1, 2]}
+    assert evals.summarize([odd])["n_tool_calling"] is None
+
+
+def test_calls_on_the_last_turn_are_counted(tok):
+    engine = ScriptedEngine(tok, [CALL], max_model_len=256)
+    (sample,) = run_tasks(_workflow(max_turns=1), [_task()], {"policy": engine})["t1"]
+    assert sample.metadata["tool_calls"] == 1 and sample.metadata["end"] == "max_turns"
