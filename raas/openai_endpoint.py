@@ -334,8 +334,9 @@ class EpisodeSettings:
         sampling: defaults for what a request leaves unset (temperature, top_p, max_tokens,
             seed); with a seed, call ``i`` of the episode is seeded
             ``sampling.for_request(seed_slot + i * seed_stride, seed_key)``.
-        force_sampling: the sampling's temperature and top_p replace the request's (an agent
-            written for greedy evaluation still explores during training).
+        force_sampling: the sampling's temperature, top_p and seed replace the request's (an
+            agent written for greedy evaluation still explores during training, and a seed it
+            hard-codes does not make every episode of a group the same).
         max_calls: most calls per episode; the next one is a 400 naming ``messages``.
         chat_template_kwargs: extra chat template variables (``enable_thinking``...).
         max_context_tokens: most prompt + completion tokens per call (the engine's
@@ -632,7 +633,7 @@ class OpenAIEndpoint:
             max_tokens = min(max_tokens, room)
         return SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                             stop_token_ids=list(base.stop_token_ids) + stop_ids,
-                            seed=req.seed % (1 << 31) if req.seed is not None else base.seed)
+                            seed=req.seed % (1 << 31) if own and req.seed is not None else base.seed)
 
 
 class _Guard:

@@ -112,6 +112,7 @@ class Segment:
     versions: list[int]
     prompt_len: int
     calls: list[int] = field(default_factory=list)
+    temperature: float | None = None  # every call of a segment was sampled at this one
 
     def add_completion(self, record: Any) -> None:
         self.token_ids += record.completion_ids
@@ -129,20 +130,23 @@ class Segment:
 
 def merge_calls(calls: Sequence[Any], merge: bool = True) -> list[Segment]:
     """The episode's calls (``CallRecord``\\ s, in call order) as segments: a call extends the
-    segment whose tokens its prompt starts with (the longest such, when several), else starts a
+    segment whose tokens its prompt starts with (the longest such, when several) and whose calls
+    were sampled at the same temperature (a sample has one behaviour temperature), else starts a
     new one; ``merge=False``: one segment per call."""
     segments: list[Segment] = []
     for rec in calls:
         prompt = list(rec.prompt_ids)
+        temperature = float(rec.temperature)
         target = None
         if merge:
             for seg in segments:
                 n = len(seg.token_ids)
                 if n <= len(prompt) and prompt[:n] == seg.token_ids and (
+                        seg.temperature == temperature) and (
                         target is None or n > len(target.token_ids)):
                     target = seg
         if target is None:
-            target = Segment([], [], [], [], prompt_len=len(prompt))
+            target = Segment([], [], [], [], prompt_len=len(prompt), temperature=temperature)
             target.add_context(prompt)
             segments.append(target)
         else:
@@ -171,8 +175,12 @@ class OpenAIAgentWorkflow(Workflow):
         sampling / eval_sampling: defaults for what a request leaves unset (temperature, top_p,
             max_tokens, seed) on train / eval tasks; with a seed, call ``i`` of episode ``g`` is
             seeded from ``(task_id, g + i * n)``.
-        force_sampling: the sampling's temperature and top_p replace the request's (an agent
-            written with ``temperature=0`` still explores in training).
+        force_sampling: True (default): on train tasks the sampling's temperature, top_p and
+            seed replace the request's, so an agent written with ``temperature=0`` still
+            explores and every sample has the temperature the trainer expects. False: the
+            agent's own values are used (calls at different temperatures are never merged; the
+            trainer refuses temperatures other than its own). Eval tasks always use the
+            request's values over ``eval_sampling``'s.
         timeout_s: most seconds per episode (the agent's thread is not killed: its later calls
             are refused).
         max_calls: most model calls per episode (a further call is a 400 to the agent).
@@ -192,7 +200,7 @@ class OpenAIAgentWorkflow(Workflow):
     name = "openai_agent"
 
     def __init__(self, agent: Any, reward: Reward, sampling: SamplingSpec | None = None,
-                 eval_sampling: SamplingSpec | None = None, force_sampling: bool = False,
+                 eval_sampling: SamplingSpec | None = None, force_sampling: bool = True,
                  timeout_s: float = 300.0, max_calls: int = 16,
                  max_context_tokens: int | None = None, system_prompt: str = "",
                  chat_template_kwargs: dict | None = None, merge: bool = True,
@@ -313,7 +321,7 @@ class OpenAIAgentWorkflow(Workflow):
         endpoint = self.endpoint or await blocking(self._endpoint)  # started once, off the loop
         settings = EpisodeSettings(
             sampling=self.eval_sampling if task.kind == "eval" else self.sampling,
-            force_sampling=self.force_sampling, max_calls=self.max_calls,
+            force_sampling=self.force_sampling and task.kind != "eval", max_calls=self.max_calls,
             chat_template_kwargs=self.chat_template_kwargs,
             max_context_tokens=self.max_context_tokens, seed_key=task.task_id, seed_slot=slot,
             seed_stride=max(1, task.n))
@@ -381,8 +389,7 @@ class OpenAIAgentWorkflow(Workflow):
                 errors[kind] = errors.get(kind, 0) + count
         meta = {"episode": slot, "segments": len(segments), "turns": len(ep.calls),
                 "end": ep.end, "answer": ep.answer[:MAX_ANSWER_CHARS],
-                "tool_calls": sum(len(r.tool_calls) for r in ep.calls), "tool_errors": errors,
-                "temperature": float(ep.calls[0].temperature)}
+                "tool_calls": sum(len(r.tool_calls) for r in ep.calls), "tool_errors": errors}
         out = []
         for j, seg in enumerate(segments):
             out.append(Sample(
@@ -393,7 +400,8 @@ class OpenAIAgentWorkflow(Workflow):
                 versions=np.asarray(seg.versions, dtype=np.int32),
                 reward=float(ep.reward), prompt_len=seg.prompt_len, group_index=slot,
                 role=self.role,
-                metadata={**meta, "segment": j, "calls": len(seg.calls)}))
+                metadata={**meta, "segment": j, "calls": len(seg.calls),
+                          "temperature": seg.temperature}))
         return out
 
     async def score(self, text: str, metadata: dict) -> float:

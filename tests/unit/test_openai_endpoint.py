@@ -378,3 +378,37 @@ def test_an_agent_that_exits_fails_its_episode_not_the_loop(endpoint, engine):
     assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
     # both are errors; neither waited out timeout_s (a StopIteration used to hang its future)
     assert wf.stats["agent_errors"] == 2 and wf.stats["agent_timeouts"] == 0
+
+
+def test_calls_at_different_temperatures_never_share_a_sample():
+    from types import SimpleNamespace
+
+    def rec(i, prompt, completion, temperature):
+        return SimpleNamespace(index=i, prompt_ids=prompt, completion_ids=completion,
+                               logprobs=[-0.5] * len(completion), versions=[0] * len(completion),
+                               temperature=temperature)
+
+    first = rec(0, [1, 2], [3, 4], 1.0)
+    same = rec(1, [1, 2, 3, 4, 5], [6], 1.0)  # extends the first, same temperature: merged
+    other = rec(2, [1, 2, 3, 4, 5, 6, 7], [8], 0.5)  # extends them, another temperature
+    segments = merge_calls([first, same, other])
+    assert [s.calls for s in segments] == [[0, 1], [2]]
+    assert [s.temperature for s in segments] == [1.0, 0.5]
+
+
+def test_forced_sampling_is_the_default_and_overrides_a_hard_coded_seed(endpoint, engine):
+    from astralight.raas.engine import SamplingSpec
+
+    assert OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward()).force_sampling is True
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=MSGS, temperature=0.0, seed=42)
+
+    before = len(engine.requests)
+    forced = EpisodeSettings(sampling=SamplingSpec(temperature=0.9, seed=5), force_sampling=True,
+                             seed_key="t", seed_slot=2)
+    in_episode(endpoint, engine, call, forced)
+    (spec,) = [spec for _, spec in engine.requests[before:]]
+    assert spec.temperature == 0.9
+    assert spec.seed == SamplingSpec(temperature=0.9, seed=5).for_request(2, "t").seed != 42
