@@ -9,7 +9,7 @@ twice. The model calls tools in the Qwen3/Hermes format, ``<tool_call>{"name": .
 
 Nothing a tool or the model does crashes an episode: a malformed block, an unknown tool, wrong
 arguments, a raised exception and a timeout each become an error message to the model (its tool
-result) and are counted by kind (:data:`ERROR_KINDS`).
+result) and are counted by kind (:data:`astralight.agents.stats.ERROR_KINDS`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from astralight.agents.stats import ERROR_KINDS, ToolStats  # noqa: F401 - part of this API
 from astralight.workflows.base import blocking
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

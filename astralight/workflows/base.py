@@ -150,6 +150,19 @@ def encode_text_prompt(engine: Any, text: str, chat: bool = False,
     return ids
 
 
+def episode_jobs(task: Task, engines: dict[str, Any]) -> list[tuple[str, Any, int]]:
+    """``(model_id, engine, episode index)`` for the ``task.n`` episodes of every policy the
+    task names; KeyError naming the fix for a policy this RaaS has no engine for."""
+    jobs = []
+    for model_id in task.model_ids:
+        engine = engines.get(model_id)
+        if engine is None:
+            raise KeyError(f"task.model_ids: no engine for {model_id!r} (task {task.task_id}); "
+                           f"this RaaS serves {sorted(engines)}")
+        jobs += [(model_id, engine, g) for g in range(task.n)]
+    return jobs
+
+
 def check_roles(workflow: str, roles: dict[str, str], tasks: list[Task],
                 engines: dict[str, Any]) -> None:
     """Every role's model id has an engine here and is named by every task (a multi-policy

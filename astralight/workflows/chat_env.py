@@ -40,10 +40,10 @@ from astralight.agents.chat import ChatTranscript
 from astralight.agents.stats import ToolStats
 from astralight.agents.tools import ToolBox, parse_tool_calls
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
+from astralight.raas.engine import SamplingSpec
 from astralight.workflows.base import Workflow, blocking
 from astralight.workflows.multi_turn import Environment, _resolve
-from astralight.workflows.tool_agent import decode_turn
+from astralight.workflows.tool_agent import chat_episode_samples, decode_turn
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +105,7 @@ class ChatEnvWorkflow(Workflow):
         self.role = role
 
     async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
-        jobs = []
-        for model_id in task.model_ids:
-            engine = engines.get(model_id)
-            if engine is None:
-                raise KeyError(f"task.model_ids: no engine for {model_id!r} (task "
-                               f"{task.task_id}); this RaaS serves {sorted(engines)}")
-            jobs += [(model_id, engine, g) for g in range(task.n)]
-        played = await gather_all(*(self.play(task, engine, g) for _, engine, g in jobs))
-        samples = []
-        for (model_id, _, g), (transcript, reward, meta) in zip(jobs, played):
-            if transcript.completions == 0:
-                log.warning("task %s: episode %d generated nothing (%s); no sample",
-                            task.task_id, g, meta["end"])
-                continue
-            samples.append(transcript.sample(task, model_id, len(samples), g, reward,
-                                             self.role, meta))
-        return samples
+        return await chat_episode_samples(task, engines, self.play, self.role)
 
     async def play(self, task: Task, engine: Any, slot: int) -> tuple[ChatTranscript, float, dict]:
         """One episode; returns its transcript, reward and metadata."""

@@ -59,11 +59,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from astralight.agents.tools import ERROR_KINDS
+from astralight.agents.stats import ERROR_KINDS
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Workflow, blocking
+from astralight.workflows.base import Workflow, blocking, episode_jobs
 from astralight.workflows.tool_agent import task_messages
 
 log = logging.getLogger(__name__)
@@ -296,13 +296,7 @@ class OpenAIAgentWorkflow(Workflow):
     # -- episodes
 
     async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
-        jobs = []
-        for model_id in task.model_ids:
-            engine = engines.get(model_id)
-            if engine is None:
-                raise KeyError(f"task.model_ids: no engine for {model_id!r} (task "
-                               f"{task.task_id}); this RaaS serves {sorted(engines)}")
-            jobs += [(model_id, engine, g) for g in range(task.n)]
+        jobs = episode_jobs(task, engines)
         messages = task_messages(task, self.system_prompt)
         played = await gather_all(*(self.play(task, messages, engine, model_id, g)
                                     for model_id, engine, g in jobs))
