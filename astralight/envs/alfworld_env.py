@@ -30,11 +30,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from astralight.envs.text import clean_observation, first_line
-from astralight.envs.textworld_env import resolve_game
+from astralight.envs.text import clean_observation
+from astralight.envs.textworld_env import TextGameEnv, resolve_game
 from astralight.protocol import Task
 from astralight.tasks.base import Prompt, PromptSource
-from astralight.workflows.multi_turn import Environment
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ def opening_text(feedback: str, task_first: bool) -> str:
     return "\n".join(lines)
 
 
-class AlfWorldEnv(Environment):
+class AlfWorldEnv(TextGameEnv):
     """One episode of an ALFWorld game (see the module doc).
 
     Args:
@@ -135,15 +134,8 @@ class AlfWorldEnv(Environment):
         return clean_observation(opening, self.max_intro_chars)
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        if self.env is None:
-            raise RuntimeError("AlfWorldEnv.step: call reset(task) first")
-        if self.done:
-            raise RuntimeError("AlfWorldEnv.step: the game is over; reset for a new episode")
-        command = first_line(action, self.max_action_chars)
-        if command not in self.admissible:
-            self.invalid += 1
-        else:
-            self.moves += 1
+        command, admissible = self._command(action)
+        self.moves += admissible
         state, score, done = self.env.step(command)
         was_won, self.won = self.won, bool(state["won"])
         self.done = bool(done or self.won)
@@ -154,14 +146,6 @@ class AlfWorldEnv(Environment):
     def metrics(self) -> dict:
         """This episode's outcome, for the sample's metadata."""
         return {"won": self.won, "moves": self.moves, "invalid_actions": self.invalid}
-
-    def close(self) -> None:
-        if self.env is not None:
-            try:
-                self.env.close()
-            except Exception:  # noqa: BLE001 - closing a finished game must not fail an episode
-                log.debug("closing %s failed", self.game_path, exc_info=True)
-            self.env = None
 
 
 class AlfWorldGames(PromptSource):

@@ -137,7 +137,41 @@ def resolve_game(task: Task, key: str, games_dir: str | None, suffixes: tuple[st
     return path
 
 
-class TextWorldEnv(Environment):
+class TextGameEnv(Environment):
+    """What the text-game adapters share: the checks and parsing of an action, counting the
+    commands that are not admissible, and letting go of the game.
+
+    A subclass keeps ``env`` (the running game, None before ``reset``), ``game_path``, ``done``,
+    ``admissible`` (the commands the game accepts now), ``invalid`` and ``max_action_chars``."""
+
+    env: Any = None
+    game_path: Path | None = None
+
+    def _command(self, action: str) -> tuple[str, bool]:
+        """The command in ``action`` (its first line, capped) and whether it is admissible;
+        RuntimeError before ``reset`` or after the game ended."""
+        name = type(self).__name__
+        if self.env is None:
+            raise RuntimeError(f"{name}.step: call reset(task) first")
+        if self.done:
+            raise RuntimeError(f"{name}.step: the game is over; reset for a new episode")
+        command = first_line(action, self.max_action_chars)
+        admissible = command in self.admissible
+        if not admissible:
+            self.invalid += 1
+        return command, admissible
+
+    def close(self) -> None:
+        """Let go of the game (a TextWorld game holds a copy of Jericho's interpreter)."""
+        if self.env is not None:
+            try:
+                self.env.close()
+            except Exception:  # noqa: BLE001 - closing a finished game must not fail an episode
+                log.debug("closing %s failed", self.game_path, exc_info=True)
+            self.env = None
+
+
+class TextWorldEnv(TextGameEnv):
     """One episode of a TextWorld game (see the module doc for observations and reward).
 
     Args:
@@ -190,13 +224,7 @@ class TextWorldEnv(Environment):
         return clean_observation(state.feedback, self.max_intro_chars)
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        if self.env is None:
-            raise RuntimeError("TextWorldEnv.step: call reset(task) first")
-        if self.done:
-            raise RuntimeError("TextWorldEnv.step: the game is over; reset for a new episode")
-        command = first_line(action, self.max_action_chars)
-        if command not in self.admissible:
-            self.invalid += 1
+        command, _ = self._command(action)
         state, score, done = self.env.step(command)
         gained = int(score or 0) - self.score
         self.score = int(score or 0)
@@ -219,12 +247,3 @@ class TextWorldEnv(Environment):
         return {"won": self.won, "lost": self.lost, "score": self.score,
                 "max_score": self.max_score, "moves": self.moves,
                 "invalid_actions": self.invalid}
-
-    def close(self) -> None:
-        """Let go of the interpreter (each game holds a copy of Jericho's library)."""
-        if self.env is not None:
-            try:
-                self.env.close()
-            except Exception:  # noqa: BLE001 - closing a finished game must not fail an episode
-                log.debug("closing %s failed", self.game_path, exc_info=True)
-            self.env = None

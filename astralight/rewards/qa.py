@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from astralight.rewards.base import Reward
 
@@ -97,7 +97,11 @@ def gold_answers(metadata: dict, answers_key: str = "answers",
 
 
 class _QAReward(Reward):
+    """A QA reward: the answer read from the completion, scored by ``metric(prediction,
+    golds)`` (the subclass's; 0.0 when no answer can be read)."""
+
     cheap = True  # string normalisation and compares: run on the event loop
+    metric: Callable[[str, list[str]], float]
 
     def __init__(self, answer_tag: str | None = None, answers_key: str = "answers",
                  answer_key: str = "answer"):
@@ -105,15 +109,12 @@ class _QAReward(Reward):
             raise ValueError(f"answer_tag: a tag name like 'answer', got {answer_tag!r}")
         self.answer_tag, self.answers_key, self.answer_key = answer_tag, answers_key, answer_key
 
-    def score(self, prediction: str, golds: list[str]) -> float:
-        raise NotImplementedError
-
     def __call__(self, completion: str, metadata: dict) -> float:
         golds = gold_answers(metadata, self.answers_key, self.answer_key)
         prediction = extract_answer(completion, self.answer_tag)
         if prediction is None:
             return 0.0
-        return float(self.score(prediction, golds))
+        return float(self.metric(prediction, golds))
 
 
 class QAExactMatchReward(_QAReward):
@@ -127,13 +128,11 @@ class QAExactMatchReward(_QAReward):
         answer_key: the single-answer key used when ``answers_key`` is absent.
     """
 
-    def score(self, prediction: str, golds: list[str]) -> float:
-        return exact_match(prediction, golds)
+    metric = staticmethod(exact_match)
 
 
 class QAF1Reward(_QAReward):
     """Token F1 of the answer against the best gold answer, in [0, 1] (arguments as
     :class:`QAExactMatchReward`)."""
 
-    def score(self, prediction: str, golds: list[str]) -> float:
-        return f1_score(prediction, golds)
+    metric = staticmethod(f1_score)

@@ -31,19 +31,18 @@ another episode.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from typing import Any, Callable
 
 from astralight.agents.chat import ChatTranscript
 from astralight.agents.stats import ToolStats
-from astralight.agents.tools import ToolBox, parse_tool_calls
-from astralight.protocol import Sample, Task
+from astralight.agents.tools import parse_tool_calls
+from astralight.protocol import Task
 from astralight.raas.engine import SamplingSpec
-from astralight.workflows.base import Workflow, blocking
+from astralight.workflows.base import blocking
+from astralight.workflows.chat_episodes import ChatEpisodeWorkflow
 from astralight.workflows.multi_turn import Environment, _resolve
-from astralight.workflows.tool_agent import chat_episode_samples, decode_turn
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ def action_text(text: str) -> str:
     return _THINK.sub("", text, count=1).strip()
 
 
-class ChatEnvWorkflow(Workflow):
+class ChatEnvWorkflow(ChatEpisodeWorkflow):
     """Chat episodes with an environment (``Task.workflow == "chat_env"``).
 
     Args:
@@ -88,24 +87,10 @@ class ChatEnvWorkflow(Workflow):
                  max_turns: int = 8, max_total_tokens: int = 4096, system_prompt: str = "",
                  chat_template_kwargs: dict | None = None, max_result_chars: int = 2000,
                  role: str = ""):
-        if max_turns < 1:
-            raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
-        if max_total_tokens < 1:
-            raise ValueError(f"max_total_tokens: must be >= 1, got {max_total_tokens}")
+        super().__init__(tools, sampling, eval_sampling, max_turns, max_total_tokens,
+                         system_prompt, chat_template_kwargs, max_result_chars, role)
         self.factory = _resolve(environment)
         self.environment_kwargs = dict(environment_kwargs or {})
-        self.toolbox = ToolBox(list(tools or []), max_result_chars=max_result_chars)
-        self.sampling = sampling or SamplingSpec()
-        self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
-                                                           max_tokens=self.sampling.max_tokens)
-        self.max_turns = int(max_turns)
-        self.max_total_tokens = int(max_total_tokens)
-        self.system_prompt = system_prompt
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.role = role
-
-    async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
-        return await chat_episode_samples(task, engines, self.play, self.role)
 
     async def play(self, task: Task, engine: Any, slot: int) -> tuple[ChatTranscript, float, dict]:
         """One episode; returns its transcript, reward and metadata."""
@@ -119,31 +104,20 @@ class ChatEnvWorkflow(Workflow):
 
     async def _play(self, task: Task, engine: Any, slot: int,
                     env: Environment) -> tuple[ChatTranscript, float, dict]:
-        sampling = self.eval_sampling if task.kind == "eval" else self.sampling
         first = await blocking(env.reset, task)
         if not isinstance(first, str):
             raise TypeError(f"environment: {type(env).__name__}.reset must return the first "
                             f"observation as text, got {type(first).__name__}")
-        transcript = ChatTranscript(engine.tokenizer, first_messages(self.system_prompt, first),
-                                    self.toolbox.schemas(), **self.chat_template_kwargs)
-        limit = self.max_total_tokens
-        engine_limit = getattr(engine, "max_model_len", None)
-        if engine_limit is not None:
-            limit = min(limit, int(engine_limit))
+        transcript = self.transcript(engine, first_messages(self.system_prompt, first))
+        limit = self.token_limit(engine)
         stats, end, turns = ToolStats(), "", 0
         actions: list[str] = []
         rewards: list[float] = []
         for turn in range(self.max_turns):
-            room = limit - len(transcript)
-            if room < 1:
+            text = await self.next_turn(transcript, engine, task, slot, turn, limit)
+            if text is None:
                 end = "token_budget"
                 break
-            spec = sampling.for_request(slot + turn * task.n, task.task_id)
-            spec = dataclasses.replace(spec, max_tokens=min(int(spec.max_tokens), room))
-            version = int(engine.version)
-            completion = await engine.generate(list(transcript.token_ids), spec)
-            text = decode_turn(engine.tokenizer, completion)
-            transcript.add_completion(completion, version, text)
             turns += 1
             calls = parse_tool_calls(text) if self.toolbox.tools else []
             last = turn + 1 == self.max_turns
@@ -151,10 +125,7 @@ class ChatEnvWorkflow(Workflow):
                 if last:
                     end = "max_turns"  # no turn is left to read the results
                     break
-                results = [await self.toolbox.call(c) for c in calls]
-                for r in results:
-                    stats.add(r.error)
-                transcript.add_messages([r.message() for r in results])
+                await self.run_tools(calls, transcript, stats)
                 continue
             action = action_text(text)
             actions.append(action)
@@ -170,6 +141,6 @@ class ChatEnvWorkflow(Workflow):
         end = end or "max_turns"
         metrics = getattr(env, "metrics", None)
         meta = {"turns": turns, "actions": actions, "step_rewards": rewards, "end": end,
-                "temperature": float(sampling.temperature), **stats.as_metadata(),
+                "temperature": float(self.sampling_for(task).temperature), **stats.as_metadata(),
                 "env": dict(metrics()) if callable(metrics) else {}}
         return transcript, float(sum(rewards)), meta

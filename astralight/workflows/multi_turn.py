@@ -27,7 +27,7 @@ import numpy as np
 
 from astralight.protocol import Sample, Task
 from astralight.raas.engine import SamplingSpec, gather_all
-from astralight.workflows.base import Workflow, blocking, tokenize_prompt
+from astralight.workflows.base import Workflow, blocking, episode_jobs, tokenize_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow
 
 log = logging.getLogger(__name__)
@@ -163,13 +163,7 @@ class MultiTurnWorkflow(Workflow):
         return tokenize_prompt(tokenizer, text, self.add_special_tokens and first) if text else []
 
     async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
-        episodes = []
-        for model_id in task.model_ids:
-            engine = engines.get(model_id)
-            if engine is None:
-                raise KeyError(f"task.model_ids: no engine for {model_id!r}; this RaaS serves "
-                               f"{sorted(engines)}")
-            episodes += [(model_id, engine, g) for g in range(task.n)]
+        episodes = episode_jobs(task, engines)
         played = await gather_all(*(self.play(task, engine, g)
                                         for _, engine, g in episodes))
         samples = []

@@ -64,7 +64,7 @@ from astralight.protocol import Sample, Task
 from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Workflow, blocking, episode_jobs
-from astralight.workflows.tool_agent import task_messages
+from astralight.workflows.chat_episodes import task_messages
 
 log = logging.getLogger(__name__)
 
