@@ -71,7 +71,10 @@ def inflight_update(engine, prompts, spec, state) -> dict:
     async def main():
         tasks = [asyncio.create_task(engine.generate(p, spec)) for p in prompts]
         start = engine.steps_run
-        while engine.steps_run - start < 8:  # a prefill and a few decode steps in
+        # a prefill and a few decode steps in (fewer for short completions: with --max-tokens 6
+        # every request may end within 8 steps, and waiting for the 8th step would never end)
+        steps_in = min(8, max(1, spec.max_tokens // 2))
+        while engine.steps_run - start < steps_in and not all(t.done() for t in tasks):
             await asyncio.sleep(0.002)
         t = time.perf_counter()
         await asyncio.to_thread(engine.update_weights, state, engine.version + 1)
