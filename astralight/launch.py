@@ -14,6 +14,14 @@ Recipe inheritance: ``extends: PATH`` (relative to the recipe's own folder) name
 the child is deep-merged onto it (mappings merge key by key, anything else, lists included,
 replaces), so a variant states only what it changes (``configs/toy/algorithms/*.yaml``).
 
+Tokens: the components inherit the launcher's environment. With scoped tokens set
+(``ASTRALIGHT_ROLLOUT_TOKEN``, ``ASTRALIGHT_TRAINER_TOKEN``, ``ASTRALIGHT_ADMIN_TOKEN``, or their
+``_FILE`` forms) the dataflow gets them all, and every other component gets only the token of its
+scope, as ``ASTRALIGHT_TOKEN``: each RaaS the rollout token, each trainer the trainer token bound
+to its model_id, the autoscaler the admin token (plus the rollout token for the RaaS it starts);
+the progress view reads the dataflow with the admin token (:mod:`astralight.dataflow.auth`).
+Without scoped tokens ``ASTRALIGHT_TOKEN`` reaches every process as before.
+
 Every ``balance.every`` versions (default 10) the dataflow's balance report (trainer wait
 fraction, produced / accepted / consumed, the pool decision) is appended to ``balance.txt`` in the
 run folder; the last one is in the summary.
@@ -133,10 +141,21 @@ class Component:
         # the one the launcher's own stop sends: SIGINT for a trainer (Lightning's graceful stop,
         # which also breaks out of a wait on a dataflow that died too), SIGTERM for a service.
         self.proc = spawn(self.argv + list(self.extra_argv), cpus=self.cpus, stdout=self.log_file,
-                          stderr=subprocess.STDOUT,
-                          env={**os.environ, **{k: str(v) for k, v in self.env.items()}},
+                          stderr=subprocess.STDOUT, env=self.child_env(),
                           death_signal=self.stop_signal)
         self.lifetimes.append([time.time(), None])
+
+    def child_env(self) -> dict:
+        """The environment it starts with: the launcher's, its own ``env``, and -- when scoped
+        tokens are set -- the token of its scope as ``ASTRALIGHT_TOKEN`` (a trainer's bound to
+        its model_id), the other scopes' tokens removed
+        (:func:`astralight.dataflow.auth.handoff_env`)."""
+        from astralight.dataflow.auth import KIND_SCOPES, handoff_env
+
+        env = {**os.environ, **{k: str(v) for k, v in self.env.items()}}
+        trainer = self.kind == "trainer" and "-" in self.name
+        model_id = self.name.split("-", 1)[1] if trainer else None
+        return handoff_env(env, KIND_SCOPES.get(self.kind), model_id)
 
     def alive(self) -> bool:
         alive = self.proc is not None and self.proc.poll() is None
@@ -367,9 +386,10 @@ def _write_yaml(path: Path, data: Any) -> Path:
 def _get_json(url: str, timeout: float = 5.0) -> Any:
     import httpx
 
-    headers = {}
-    if os.environ.get("ASTRALIGHT_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['ASTRALIGHT_TOKEN']}"
+    from astralight.dataflow.auth import admin_token
+
+    token = admin_token()  # the progress view reads stats: the admin scope when tokens are scoped
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     response = httpx.get(url, timeout=timeout, headers=headers)
     response.raise_for_status()
     return response.json()
@@ -607,6 +627,9 @@ def _affinity(spec: dict) -> dict[str, list[int]]:
 def component_configs(recipe: dict, run_dir: Path, port: int) -> dict[str, dict]:
     """Each component's own config (``dataflow``, ``raas-I``, ``trainer-MODEL_ID``), in start order.
 
+    The dataflow's ``vocab_sizes`` and ``temperatures`` are filled from each trainer's model
+    (``model_path/config.json`` and ``model.init_args.temperature``) unless the recipe sets them.
+
     These are the files a component is started with, on this machine or any other; the toy
     recipe's are committed under ``configs/toy/`` (a test keeps them in step with the recipe).
     """
@@ -620,9 +643,16 @@ def component_configs(recipe: dict, run_dir: Path, port: int) -> dict[str, dict]
         init_args = (trainer_cfg.get("model") or {}).get("init_args") or {}
         model_id = init_args.get("model_id", str(i))
         configs[f"trainer-{model_id}"] = copy.deepcopy(trainer_cfg)
+        if model_id not in dataflow_cfg.get("model_ids", ["policy"]):
+            continue
         vocab = _vocab_size(init_args.get("model_path"))
-        if vocab is not None and model_id in dataflow_cfg.get("model_ids", ["policy"]):
+        if vocab is not None:
             dataflow_cfg.setdefault("vocab_sizes", {}).setdefault(model_id, vocab)
+        temperature = init_args.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            # the trainer refuses samples of another temperature; the dataflow refuses them on
+            # ingest instead, so one bad sample cannot stop the trainer (``temperatures``)
+            dataflow_cfg.setdefault("temperatures", {}).setdefault(model_id, float(temperature))
     return configs
 
 
@@ -669,6 +699,11 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
                               recipe["stop"].get("model_id", "policy"), run_dir)
         comps.insert(1, Component("autoscale", py + argv, run_dir / "logs" / "autoscale.log",
                                   env=raas_env, cpus=cpus.get("raas")))
+    for comp in comps:  # each one's token hand-off, checked before anything starts
+        try:
+            comp.child_env()
+        except ValueError as exc:
+            raise RecipeError(f"tokens for {comp.name}: {exc}") from None
     return comps
 
 

@@ -70,6 +70,7 @@ from torch import Tensor
 
 from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta
 from astralight.lora import LoraSpec, wrap_model
+from astralight.protocol import temperature_mismatch
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
 from astralight.rl.kl import kl_penalty
 from astralight.rl.logprobs import causal_lm_logprobs
@@ -392,9 +393,10 @@ class RLPolicy(pl.LightningModule):
         temps = batch.get("temperature")
         if temps is not None:
             t = torch.as_tensor(temps, dtype=torch.float64).reshape(-1)
-            known = t[~torch.isnan(t)]
-            bad = known[(known - self.temperature).abs() > 1e-5 * max(1.0, self.temperature)]
-            if bad.numel():
+            # the same check the dataflow makes on ingest (its ``temperatures`` config)
+            bad = [x for x in t[~torch.isnan(t)].tolist()
+                   if temperature_mismatch(x, self.temperature)]
+            if bad:
                 t_sample = f"{float(bad[0]):g}"
                 raise ValueError(
                     f"sample temperature {t_sample} != module temperature {self.temperature:g}: "

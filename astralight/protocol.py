@@ -31,13 +31,34 @@ MAX_INDEX = 1 << 62  # sample_index, group_index: below SQLite's signed 64-bit i
 MAX_VERSION = (1 << 53) - 1  # policy versions: exact in a JSON number, far below SQLite's int64
 _HEX = frozenset("0123456789abcdef")
 
+#: Lowest behaviour log-prob a trainable sample may carry. The smallest positive float32 is
+#: about 1.4e-45 (log: -103.3), so no engine can sample a token whose log-prob is below that;
+#: -1000 leaves a wide margin for engines computing in other precisions and still bounds what a
+#: loss sees. The dataflow refuses pushed samples with a lower log-prob
+#: (``samples[i].logprobs``); the losses in :mod:`astralight.rl` stay finite even below it.
+LOGPROB_FLOOR = -1000.0
+#: Vocabulary sizes above this are refused (``vocab_sizes``, an engine's registered
+#: ``vocab_size``), and so are token ids at or above it when no vocabulary of a policy is known:
+#: no tokenizer comes near it (the largest are about 256k), and int32 token ids could name up to
+#: 2^31 - 1, which an embedding lookup would turn into a crash.
+MAX_VOCAB_SIZE = 1 << 24
+#: Sampling temperatures of a sample and of the trainer match when they differ by at most this
+#: share of ``max(1, temperature)``: the check the trainer makes (``RLPolicy.check_batch``) and
+#: the one the dataflow makes on ingest (:func:`check_sample_metadata`).
+TEMPERATURE_RTOL = 1e-5
+#: Largest episode count (``tool_calls``, ``turns``, ``tool_errors.*``, ``attempt``) a sample's
+#: metadata may state; the dataflow sums them into 64-bit counters.
+MAX_METADATA_COUNT = (1 << 31) - 1
+
 
 class ProtocolError(ValueError):
-    """A message does not match the schema; ``field`` names the offending field."""
+    """A message does not match the schema; ``field`` names the offending field and
+    ``message`` says what is wrong with it."""
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
 
 
 # ----------------------------------------------------------------------------- arrays
@@ -148,6 +169,74 @@ def _sha256_hex(value: Any, where: str) -> str:
     return value
 
 
+# ----------------------------------------------------------------------------- sample metadata
+
+
+def temperature_mismatch(sample_temperature: float, policy_temperature: float) -> bool:
+    """Whether a sample generated at ``sample_temperature`` cannot be trained by a policy whose
+    log-probs are computed at ``policy_temperature`` (the behaviour log-probs would belong to a
+    different distribution, so the importance ratio would be wrong): the two differ by more than
+    :data:`TEMPERATURE_RTOL` of ``max(1, policy_temperature)``."""
+    return abs(float(sample_temperature) - float(policy_temperature)) > (
+        TEMPERATURE_RTOL * max(1.0, float(policy_temperature)))
+
+
+def check_sample_metadata(metadata: Any, where: str, temperature: float | None = None,
+                          trained: bool = True) -> None:
+    """Refuse sample metadata that a consumer of the sample would fail on, naming the field.
+
+    What is checked, and why:
+
+    * ``temperature`` (what the trainer reads: ``collate_batch`` takes it, ``check_batch``
+      compares it with the policy's own temperature and raises on a mismatch): absent or null,
+      or a finite number >= 0 -- and > 0 on a ``trained`` sample, whose log-probs the trainer
+      recomputes at a positive temperature; with ``temperature`` (the policy's, e.g. the
+      dataflow's ``temperatures`` config) it must match it (:func:`temperature_mismatch`). So a
+      sample the trainer would refuse is refused at the door instead of stopping the trainer.
+    * ``attempt`` (eval summaries read ``int(attempt)``): absent, or an int in
+      ``[0, MAX_METADATA_COUNT]``.
+    * ``tool_calls``, ``turns`` and every value of ``tool_errors`` (the dataflow sums them into
+      64-bit counters when they are ints): when an int, at most :data:`MAX_METADATA_COUNT`.
+
+    Anything else in the metadata is the workflow's own business and is left alone.
+    Raises :class:`ProtocolError` with ``field`` = ``{where}.metadata.<key>``.
+    """
+    if not isinstance(metadata, dict):
+        raise ProtocolError(f"{where}.metadata", f"expected a map, got {type(metadata).__name__}")
+    t = metadata.get("temperature")
+    at = f"{where}.metadata.temperature"
+    if t is not None:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ProtocolError(at, f"must be the sampling temperature (a finite number >= 0), "
+                                    f"got {t!r}; the workflow writes the temperature it sampled at")
+        if trained and t == 0:
+            raise ProtocolError(at, "is 0 (greedy) on a train sample: its log-probs cannot be "
+                                    "matched by a trainer (temperature > 0); sample train tasks "
+                                    "at the policy's temperature")
+        if trained and temperature is not None and temperature_mismatch(t, temperature):
+            raise ProtocolError(at, (
+                f"sample temperature {t:g} != the policy's temperature {temperature:g}: the "
+                "behaviour log-probs were computed at the sampling temperature, so the ratio "
+                "would be wrong and the trainer would refuse the batch; set the workflow's "
+                f"sampling temperature to {temperature:g}, or the policy's temperature "
+                f"(model.init_args.temperature and the dataflow's temperatures) to {t:g}"))
+    attempt = metadata.get("attempt")
+    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)
+                                or not 0 <= attempt <= MAX_METADATA_COUNT):
+        raise ProtocolError(f"{where}.metadata.attempt",
+                            f"must be an int in [0, {MAX_METADATA_COUNT}] (0: a first attempt), "
+                            f"got {attempt!r}")
+    counts = [(k, metadata.get(k)) for k in ("tool_calls", "turns")]
+    errors = metadata.get("tool_errors")
+    if isinstance(errors, dict):
+        counts += [(f"tool_errors.{k}", v) for k, v in errors.items()]
+    for key, value in counts:
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_METADATA_COUNT:
+            raise ProtocolError(f"{where}.metadata.{str(key)[:64]}",
+                                f"{value} exceeds {MAX_METADATA_COUNT}; an episode count this "
+                                "large is a bug in the workflow")
+
+
 # ----------------------------------------------------------------------------- messages
 
 
@@ -219,7 +308,11 @@ class Sample:
     ``logprobs`` is the behaviour log-probability of each generated token (0 where
     ``loss_mask`` is 0); ``versions`` the policy version that produced each token (-1 for prompt
     and environment tokens). ``advantage`` is filled by the dataflow on ingest from the group
-    (same ``task_id`` and ``model_id``) statistics.
+    (same ``task_id`` and ``model_id``) statistics. Decoding checks the fields one by one; the
+    dataflow checks more on ingest (``Dataflow._validate_samples``: the vocabulary, the
+    engine's context, published versions on every token, at least one loss-masked token,
+    log-probs >= :data:`LOGPROB_FLOOR`, :func:`check_sample_metadata`), not here, so that samples
+    stored before a check existed still decode.
     """
 
     task_id: str

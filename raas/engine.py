@@ -122,9 +122,26 @@ class Completion:
         return bool(self.versions) and min(self.versions) != max(self.versions)
 
 
+def engine_limits(engine: Any) -> dict[str, int]:
+    """What ``engine`` can produce, as the RaaS registers it with the dataflow (``limits``):
+    ``vocab_size`` (rows of the model's embedding: no token id at or above it exists) and
+    ``max_model_len`` (prompt + completion tokens); each only when the engine has it as a
+    positive int attribute. The dataflow refuses pushed samples outside them."""
+    out: dict[str, int] = {}
+    for key in ("vocab_size", "max_model_len"):
+        value = getattr(engine, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[key] = value
+    return out
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """What a workflow may use. ``version`` is the policy version of the loaded weights."""
+    """What a workflow may use. ``version`` is the policy version of the loaded weights.
+
+    Optional attributes: ``max_model_len`` (context length; workflows keep episodes within it)
+    and ``vocab_size`` (the model's vocabulary); both are registered with the dataflow
+    (:func:`engine_limits`)."""
 
     version: int
     tokenizer: Any

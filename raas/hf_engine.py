@@ -49,6 +49,8 @@ class HFEngine(BatchedEngine):
         self.model = causal_lm_from_pretrained(str(model_path), dtype=self.dtype).to(
             self.device).eval()
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
+        #: the model's vocabulary (embedding rows), registered with the dataflow (engine_limits)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = version
         eos = self.tokenizer.eos_token_id

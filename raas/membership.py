@@ -28,6 +28,8 @@ import time
 import uuid
 from typing import Any
 
+from astralight.raas.engine import engine_limits
+
 log = logging.getLogger("astralight.raas")
 
 HARD_STOP_EXIT = 130
@@ -49,6 +51,10 @@ def _status(exc: BaseException) -> int | None:
 
 def _field(exc: BaseException) -> str | None:
     return getattr(exc, "field", None)
+
+
+REGISTER_RETRY_S = 2.0
+"""Seconds between two registrations while our fixed instance id is still live at the dataflow."""
 
 
 class Membership:
@@ -94,17 +100,65 @@ class Membership:
         return {"stats": totals} if totals else {}
 
     def register(self, client: Any = None) -> None:
-        """Register under this instance's id (one made up the first time), with its capacity."""
+        """Register under this instance's id (one made up the first time), with its capacity
+        and its engines' limits (:meth:`registration_limits`)."""
         with self._register_lock:
             self._register_locked(client or self.client)
 
+    def registration_limits(self) -> dict:
+        """``{model_id: {vocab_size, max_model_len}}`` of the engines serving the registered
+        model_ids (:func:`astralight.raas.engine.engine_limits`): the dataflow refuses pushed
+        samples with token ids outside the vocabulary or longer than the context, with no
+        config of its own."""
+        out = {}
+        for m in self.config.model_ids:
+            engine = self.engines.get(m)
+            limits = engine_limits(engine) if engine is not None else {}
+            if limits:
+                out[m] = limits
+        return out
+
     def _register_locked(self, client: Any) -> None:
+        """Register; while the dataflow says our fixed ``instance_id`` is still held by a live
+        instance (403 ``instance_secret``: this RaaS restarted within ``lease_seconds`` and lost
+        the secret with its process), wait for that registration to lapse, saying so, and try
+        again. It lapses ``lease_seconds`` after the old process was last heard from."""
+        from astralight.dataflow.client import DataflowError
+
+        deadline = None
+        while True:
+            try:
+                return self._register_once(client)
+            except DataflowError as exc:
+                if exc.status != 403 or exc.field != "instance_secret":
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self._dataflow_lease_seconds(client) + REGISTER_RETRY_S
+                    self.say(f"raas: instance {self.instance_id} is still registered and live at "
+                             "the dataflow (this RaaS restarted within lease_seconds); waiting "
+                             "for that registration to lapse (start without --instance_id to "
+                             "join at once under a new id)")
+                if now >= deadline or self.stop_event.is_set():
+                    raise
+                time.sleep(REGISTER_RETRY_S)
+
+    def _dataflow_lease_seconds(self, client: Any) -> float:
+        """The dataflow's ``lease_seconds`` (``/v1/info``), or this side's default."""
+        try:
+            return float(client.info()["lease_seconds"])
+        except Exception:  # noqa: BLE001 - an estimate for a wait is enough
+            return float(self.lease_seconds)
+
+    def _register_once(self, client: Any) -> None:
         wf = self.config.workflow
         meta = {"workflow": getattr(wf, "name", type(wf).__name__), "pid": os.getpid(),
                 "versions": {m: int(e.version) for m, e in self.engines.items()}}
+        limits = self.registration_limits()
         reply = client.register(self.config.model_ids, self.config.max_concurrency,
                                 instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",
-                                meta=meta, capacity_units=self.config.capacity_units)
+                                meta=meta, capacity_units=self.config.capacity_units,
+                                **({"limits": limits} if limits else {}))
         self.instance_id = reply["instance_id"]
         self.lease_seconds = float(reply.get("lease_seconds", self.lease_seconds))
         self._registrations += 1

@@ -252,6 +252,8 @@ class VLLMEngine(EngineBase):
         self.version = version
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        #: the model's vocabulary (embedding rows), registered with the dataflow (engine_limits)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.packed_modules = self._packed_modules()
         lora_config = getattr(self.llm.llm_engine.vllm_config, "lora_config", None)
         self.enable_lora = lora_config is not None

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from astralight.dataflow.auth import ROLLOUT, handoff_env
 from astralight.proc import spawn
 
 log = logging.getLogger("astralight.autoscale")
@@ -125,8 +126,10 @@ class LocalProcessBackend:
         log_path = self.log_dir / f"{instance_id}.log"
         with open(log_path, "ab", buffering=0) as log_file:
             # dies with the autoscaler (astralight.proc): a SIGKILLed autoscaler orphans no RaaS
+            # with scoped tokens, each RaaS gets the rollout token (not the autoscaler's admin one)
+            env = handoff_env({**os.environ, **self.env}, ROLLOUT)
             proc = spawn(self.argv(instance_id), cpus=self.cpus, stdout=log_file,
-                         stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+                         stderr=subprocess.STDOUT, env=env)
         self.procs[instance_id] = proc
         self.logs[instance_id] = log_path
         return proc

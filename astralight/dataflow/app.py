@@ -8,9 +8,15 @@ stops the server.
 
 Security, enforced here so that nothing invalid reaches the core (:class:`Dataflow`):
 
-* **auth** -- with ``ASTRALIGHT_TOKEN`` set, :class:`BearerAuth` wraps the whole ASGI app, so every
-  route (and any route added later, and unknown paths) needs ``Authorization: Bearer <token>``;
-  the comparison is constant-time over SHA-256 digests (no length leak either).
+* **access** -- :class:`~astralight.dataflow.auth.AccessGuard` wraps the whole ASGI app: with a
+  token configured every route (and any route added later, and unknown paths) needs
+  ``Authorization: Bearer <token>`` (constant-time over SHA-256 digests), and the token's scope
+  (rollout, trainer, admin; ``ASTRALIGHT_TOKEN`` grants all) must be one the route's line in
+  :data:`astralight.dataflow.auth.ROUTES` names. Handlers then check what needs the body: a
+  trainer token bound to a model_id acts on that model_id only, and a rollout caller acts only as
+  an instance whose ``instance_secret`` (answered by register) it sends, pushing only tasks
+  leased to it. Always: requests with ``Origin`` are refused (403) and bodies must be msgpack
+  (415); without any token, a ``Host`` that is not loopback or the configured host too (403).
 * **size** -- every msgpack body is read through :func:`read_body` (``max_body_bytes``, 413 before
   parsing); weight uploads are streamed against ``max_weight_file_bytes``.
 * **schema** -- :func:`astralight.protocol.decode` refuses anything but plain msgpack values
@@ -45,16 +51,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
-import hmac
-import json
 import logging
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
+from stat import S_ISREG
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -63,10 +66,13 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from astralight.dataflow import auth, membership
+from astralight.dataflow.auth import AccessGuard, Credentials, InstanceSecrets
 from astralight.dataflow.client import ACK_TIMEOUT_HEADER  # the pull's batch_ack_timeout_s
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.weightfiles import fs_error
 from astralight.protocol import (MAX_VERSION, ProtocolError, Sample, WeightManifest, decode,
                                  encode, expect)
 
@@ -98,38 +104,6 @@ def _note(**kw) -> None:
 
 
 # ----------------------------------------------------------------------------- plumbing
-
-
-class BearerAuth:
-    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <token>``.
-
-    It wraps the whole app, so no route (including ones added later, weight uploads and
-    downloads, and unknown paths) is reachable without the token. Digests of the header and of
-    the expected value are compared with :func:`hmac.compare_digest`: constant time, and the
-    token's length does not leak either. Only ``lifespan`` events pass without a token.
-    """
-
-    def __init__(self, app, token: str):
-        self.app = app
-        self.expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "websocket":  # no websocket routes: refuse before routing
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        if scope["type"] == "http":
-            values = [v for k, v in scope["headers"] if k == b"authorization"]
-            got = hashlib.sha256(values[0] if len(values) == 1 else b"").digest()
-            if not hmac.compare_digest(got, self.expected):
-                body = json.dumps({"error": "authorization: missing or wrong bearer token "
-                                            "(set ASTRALIGHT_TOKEN on both sides)",
-                                   "field": "authorization"}).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
 
 
 _LOG_AT = frozenset(10 ** k for k in range(13))  # log a client's 1st, 10th, 100th... failure
@@ -451,17 +425,24 @@ def push_many_refused(results: list[dict]) -> JSONResponse:
 # ----------------------------------------------------------------------------- app
 
 
-def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
+def create_app(config: DataflowConfig, token: str | None = None,
+               credentials: Credentials | None = None) -> FastAPI:
     """Build the service app around a fresh :class:`Dataflow` on ``config.state_dir``.
 
-    ``token`` defaults to the ``ASTRALIGHT_TOKEN`` environment variable; empty means no auth
-    (then bind only to loopback: :func:`astralight.dataflow.service.check_bind` enforces it).
+    Who may call what (:mod:`astralight.dataflow.auth`): ``credentials`` if given; else ``token``
+    alone (every scope; ``""``: no auth); else the environment (``ASTRALIGHT_TOKEN`` and the
+    scoped ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``ASTRALIGHT_TRAINER_TOKEN`` / ``ASTRALIGHT_ADMIN_TOKEN``,
+    :meth:`Credentials.from_env`). No auth: bind only to loopback
+    (:func:`astralight.dataflow.service.check_bind` enforces it).
     """
+    if credentials is None:
+        credentials = (Credentials.from_env(config.model_ids) if token is None
+                       else Credentials.single(token) if token else Credentials.none())
     core = Dataflow(config)
     wake = Wakeups(core.model_ids)
     limit = config.max_body_bytes
-    token = os.environ.get("ASTRALIGHT_TOKEN", "") if token is None else token
     tracker = ClientTracker(config.max_clients_tracked)
+    instance_secrets = InstanceSecrets(core.store, core.lock)
     sweep_every = min(1.0, max(0.05, config.batch_ack_timeout_s / 4))
 
     async def sweeper() -> None:
@@ -490,10 +471,72 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     app.state.dataflow = core
     app.state.wakeups = wake
     app.state.clients = tracker
-    app.state.auth = bool(token)
-    if token:
-        app.add_middleware(BearerAuth, token=token)
+    app.state.auth = credentials.enabled
+    app.state.credentials = credentials
+    app.state.instance_secrets = instance_secrets
+    app.add_middleware(AccessGuard, credentials=credentials, host=config.host,
+                       on_refuse=lambda name: _note(field=name))
     app.add_middleware(ClientStats, tracker=tracker)  # added last: outermost, sees the 401s
+
+    # -- access checks that need the body (the route's scope is AccessGuard's) -----------
+
+    def own_model(model_id: str, name: str = "model_id") -> None:
+        """A trainer token bound to a model_id acts on that model_id only."""
+        p = auth.current().principal
+        if p.scope == auth.TRAINER and p.model_id is not None and model_id != p.model_id:
+            raise ServiceError(403, name, (
+                f"this trainer token is bound to model_id {p.model_id!r} and cannot act on "
+                f"{model_id!r}; the trainer of {model_id!r} needs its own token (astralight run "
+                f"hands each trainer its own; or: python -m astralight.dataflow.auth "
+                f"trainer-token {model_id})"))
+
+    def own_batch(batch_id: str) -> None:
+        """A bound trainer acks and extends only batches of its model_id (unknown ones: the
+        core answers 404)."""
+        p = auth.current().principal
+        if p.scope == auth.TRAINER and p.model_id is not None:
+            with core.lock:
+                row = core.store.batch(batch_id)
+            if row is not None:
+                own_model(row["model_id"], "batch_id")
+
+    def own_instance(instance_id: str) -> None:
+        """A rollout caller acts as an instance only with its instance secret (admin: any)."""
+        a = auth.current()
+        if a.principal.admin:
+            return
+        ok = instance_secrets.matches(instance_id, a.instance_secret)
+        if ok is None:
+            raise ServiceError(404, "instance_id", (
+                f"unknown instance {instance_id!r} (or one registered before instances were "
+                f"bound to a secret); register it (POST /v1/register) first"))
+        if not ok:
+            raise ServiceError(403, "instance_secret", (
+                f"the {auth.INSTANCE_SECRET_HEADER} header is missing or is not the secret "
+                f"instance {instance_id!r} got at registration; only that instance may act as it "
+                f"(astralight.dataflow.client sends it by itself)"))
+
+    def foreign_tasks(instance_id: str, task_ids: list[str]) -> set[str]:
+        """For a rollout caller: the ``task_ids`` currently leased (or returned) by another
+        instance, which it may not push (done tasks answer ``duplicate``, unknown ones 404)."""
+        if auth.current().principal.admin or not task_ids:
+            return set()
+        with core.lock:
+            rows = {t: core.store.task(t) for t in task_ids}
+        return {t for t, row in rows.items() if row is not None and row["state"] != "done"
+                and row["instance_id"] is not None and row["instance_id"] != instance_id}
+
+    def foreign_task_error(task_id: str) -> ServiceError:
+        # 409, as for a task never leased: also what a late push gets once the expired lease
+        # went to another instance, and the RaaS drops such a push without counting a failure
+        return ServiceError(409, "task_id", (
+            f"task {task_id!r} is leased to another instance; an instance pushes only the tasks "
+            f"it leased (POST /v1/lease) and still holds"))
+
+    def instance_is_live(instance_id: str) -> bool:
+        row = core.store.instance(instance_id)  # (under the core's lock)
+        return row is not None and membership.is_live(
+            row["state"], time.time() - float(row["last_seen"]), config.lease_seconds)
 
     # -- errors -------------------------------------------------------------
 
@@ -544,16 +587,19 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/eval/{model_id}")
     async def eval_results(model_id: str):
+        own_model(model_id)
         results = await run_in_threadpool(core.eval_results, model_id)
         return {str(v): r for v, r in results.items()}
 
     @app.get("/v1/balance/{model_id}")
     async def balance_report(model_id: str, window: int = Query(10, ge=1, le=MAX_COUNT),
                              pool: int | None = Query(None, ge=0, le=MAX_COUNT)):
+        own_model(model_id)
         return await run_in_threadpool(core.balance, model_id, window, pool)
 
     @app.get("/v1/counters/{model_id}")
     async def version_counters(model_id: str, since: int = Query(0, ge=0, le=MAX_VERSION)):
+        own_model(model_id)
         counters = await run_in_threadpool(core.version_counters, model_id, since)
         return {"model_id": model_id, "versions": {str(v): c for v, c in counters.items()}}
 
@@ -561,7 +607,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     def _register(data: bytes) -> dict:
         msg = decode_map(data, limit, ("model_ids", "capacity", "instance_id", "meta",
-                                       "capacity_units"))
+                                       "capacity_units", "limits"))
         model_ids = field(msg, "model_ids", list)
         if not all(isinstance(m, str) for m in model_ids):
             raise ProtocolError("model_ids", "must be a list of strings")
@@ -576,8 +622,23 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         if instance_id is not None:
             check_id(instance_id, "instance_id")
         meta = check_json_value(field(msg, "meta", dict, {}), "meta")
-        return core.register(model_ids, int_field(msg, "capacity", 0, MAX_COUNT, 1), instance_id,
-                             meta, capacity_units=units)
+        capacity = int_field(msg, "capacity", 0, MAX_COUNT, 1)
+        access = auth.current()
+        with core.lock:  # (re-entrant: the check, the registration and the secret as one step)
+            held = (instance_secrets.matches(instance_id, access.instance_secret)
+                    if instance_id is not None else None)
+            if held is False and not access.principal.admin and instance_is_live(instance_id):
+                raise ServiceError(403, "instance_secret", (
+                    f"instance {instance_id!r} is registered and live; registering it again "
+                    f"needs its secret in the {auth.INSTANCE_SECRET_HEADER} header (the client "
+                    f"that registered it sends it). Register under another instance_id, or "
+                    f"again once it has been silent for lease_seconds={config.lease_seconds:g} s "
+                    f"or deregistered"))
+            reply = core.register(model_ids, capacity, instance_id, meta, capacity_units=units,
+                                  limits=field(msg, "limits", dict, None))  # checked by the core
+            secret = (access.instance_secret if held else
+                      instance_secrets.issue(reply["instance_id"]))
+        return {**reply, "instance_secret": secret}
 
     @app.post("/v1/register")
     async def register(request: Request):
@@ -590,7 +651,9 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         if stats is not None:
             only_fields(stats, HEARTBEAT_STATS)
             stats = {k: num_field(stats, k, 0.0, 1e12) for k in stats}
-        return core.heartbeat(id_field(msg, "instance_id"), in_flight, stats=stats)
+        instance_id = id_field(msg, "instance_id")
+        own_instance(instance_id)
+        return core.heartbeat(instance_id, in_flight, stats=stats)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request):
@@ -599,6 +662,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     @app.post("/v1/instances/{instance_id}/drain")
     async def drain(instance_id: str):
         check_id(instance_id, "instance_id")
+        await run_in_threadpool(own_instance, instance_id)
         return msgpack_response(await run_in_threadpool(core.drain, instance_id))
 
     def _return(data: bytes) -> dict:
@@ -610,15 +674,19 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
             if not isinstance(t, str):
                 raise ProtocolError(f"task_ids[{i}]", f"expected str, got {type(t).__name__}")
             check_id(t, f"task_ids[{i}]")
-        return core.return_tasks(id_field(msg, "instance_id"), task_ids,
-                                 field(msg, "failed", bool, False))
+        instance_id = id_field(msg, "instance_id")
+        failed = field(msg, "failed", bool, False)
+        own_instance(instance_id)
+        return core.return_tasks(instance_id, task_ids, failed)
 
     @app.post("/v1/return")
     async def return_tasks(request: Request):
         return msgpack_response(await run_in_threadpool(_return, await read_body(request, limit)))
 
     def _deregister(data: bytes) -> dict:
-        return core.deregister(id_field(decode_map(data, limit, ("instance_id",)), "instance_id"))
+        instance_id = id_field(decode_map(data, limit, ("instance_id",)), "instance_id")
+        own_instance(instance_id)
+        return core.deregister(instance_id)
 
     @app.post("/v1/deregister")
     async def deregister(request: Request):
@@ -627,8 +695,9 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     def _lease(data: bytes) -> dict:
         msg = decode_map(data, limit, ("instance_id", "max_tasks"))
-        tasks = core.lease(id_field(msg, "instance_id"), field(msg, "max_tasks", int))
-        return {"tasks": tasks}
+        instance_id, max_tasks = id_field(msg, "instance_id"), field(msg, "max_tasks", int)
+        own_instance(instance_id)
+        return {"tasks": core.lease(instance_id, max_tasks)}
 
     @app.post("/v1/lease")
     async def lease(request: Request):
@@ -637,7 +706,11 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     def _push(data: bytes) -> dict:
         msg = decode_map(data, limit, ("instance_id", "task_id", "samples"))
         samples = check_samples(field(msg, "samples", list))
-        return core.push(id_field(msg, "instance_id"), id_field(msg, "task_id"), samples)
+        instance_id, task_id = id_field(msg, "instance_id"), id_field(msg, "task_id")
+        own_instance(instance_id)
+        if foreign_tasks(instance_id, [task_id]):
+            raise foreign_task_error(task_id)
+        return core.push(instance_id, task_id, samples)
 
     @app.post("/v1/push")
     async def push(request: Request):
@@ -652,6 +725,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         or ``{status, error, field}`` as ``POST /v1/push`` of that item alone would answer."""
         msg = decode_map(data, limit, ("instance_id", "items"))
         instance_id = id_field(msg, "instance_id")
+        own_instance(instance_id)
         items = field(msg, "items", list)
         if not 0 < len(items) <= MAX_PUSH_ITEMS:
             raise ProtocolError("items", f"must hold 1..{MAX_PUSH_ITEMS} task groups, got "
@@ -663,6 +737,10 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
                 good.append((i, parse_push_item(item)))
             except ProtocolError as exc:
                 results[i] = push_item_error(exc)
+        foreign = foreign_tasks(instance_id, [t for _, (t, _) in good])
+        for i, (task_id, _) in [g for g in good if g[1][0] in foreign]:
+            results[i] = push_item_error(foreign_task_error(task_id))
+        good = [g for g in good if g[1][0] not in foreign]
         replies = core.push_many(instance_id, [item for _, item in good]) if good else []
         for (i, _), reply in zip(good, replies):
             results[i] = (push_item_error(reply) if isinstance(reply, ServiceError)
@@ -695,6 +773,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         timeout_s = num_field(msg, "timeout_s", 0.0, MAX_SECONDS, 0.0)
         timeout_s = min(timeout_s, config.max_pull_timeout_s)
         trainer_id = id_field(msg, "trainer_id", None)
+        own_model(model_id)
         core.check_pull(model_id, size)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -722,7 +801,9 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
             if v is not None and not 0 <= v < MAX_SECONDS:
                 raise ServiceError(422, k, f"must be seconds in [0, 1e7), got {v}")
         step = int_field(msg, "step", 0, MAX_VERSION, None)
-        return core.ack(id_field(msg, "batch_id"), **timings, step=step)
+        batch_id = id_field(msg, "batch_id")
+        own_batch(batch_id)
+        return core.ack(batch_id, **timings, step=step)
 
     @app.post("/v1/ack")
     async def ack(request: Request):
@@ -730,8 +811,9 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
 
     def _resumed(data: bytes) -> dict:
         msg = decode_map(data, limit, ("model_id", "step"))
-        return core.trainer_resumed(id_field(msg, "model_id"),
-                                    int_field(msg, "step", 0, MAX_VERSION))
+        model_id, step = id_field(msg, "model_id"), int_field(msg, "step", 0, MAX_VERSION)
+        own_model(model_id)
+        return core.trainer_resumed(model_id, step)
 
     @app.post("/v1/trainer/resumed")
     async def trainer_resumed(request: Request):
@@ -739,7 +821,9 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return msgpack_response(await run_in_threadpool(_resumed, await read_body(request, limit)))
 
     def _extend(data: bytes) -> dict:
-        return core.extend_batch(id_field(decode_map(data, limit, ("batch_id",)), "batch_id"))
+        batch_id = id_field(decode_map(data, limit, ("batch_id",)), "batch_id")
+        own_batch(batch_id)
+        return core.extend_batch(batch_id)
 
     @app.post("/v1/batches/extend")
     async def extend_batch(request: Request):
@@ -755,6 +839,7 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
     @app.put("/v1/weights/{model_id}/{version}/{name}")
     async def upload(model_id: str, version: int, name: str, request: Request):
         check_version(version)
+        own_model(model_id)
         await run_in_threadpool(core.check_upload, model_id, version, name)
         max_bytes = config.max_weight_file_bytes
         declared = request.headers.get("content-length")
@@ -766,18 +851,37 @@ def create_app(config: DataflowConfig, token: str | None = None) -> FastAPI:
         return msgpack_response({"model_id": model_id, "version": version, "name": name,
                                  "sha256": sha, "bytes": size})
 
+    def _weight_file(model_id: str, version: int, name: str):
+        """``(path, manifest entry, stat)`` of a published file to send, checked before the
+        answer starts (FileResponse opens the file only after its 200 went out): a missing
+        file (or something else in its place) is a 410; any other file system error is
+        :func:`~astralight.dataflow.weightfiles.fs_error`'s answer, as on upload and publish
+        (507 naming the weight store; 422 naming ``name`` for a name it refuses), never a 500."""
+        path, info = core.weight_file(model_id, version, name)
+        try:
+            st = path.stat()
+            if S_ISREG(st.st_mode):
+                with open(path, "rb"):  # readable (permissions, I/O errors)
+                    pass
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        except OSError as exc:
+            raise fs_error(core.weights.root, exc, "name", name) from exc
+        if st is None or not S_ISREG(st.st_mode):
+            raise ServiceError(410, "name", f"{name} of {model_id} v{version} is listed in the "
+                                            "manifest but missing from the weight store")
+        return path, info, st
+
     @app.get("/v1/weights/{model_id}/{version}/{name}")
     async def download(model_id: str, version: int, name: str):
         check_version(version)
-        path, info = await run_in_threadpool(core.weight_file, model_id, version, name)
-        if not path.is_file():
-            raise ServiceError(410, "name", f"{name} of {model_id} v{version} is listed in the "
-                                            "manifest but missing from the weight store")
-        return FileResponse(path, media_type="application/octet-stream",
+        path, info, st = await run_in_threadpool(_weight_file, model_id, version, name)
+        return FileResponse(path, media_type="application/octet-stream", stat_result=st,
                             headers={"X-Sha256": str(info["sha256"])})
 
     def _publish(data: bytes) -> dict:
         manifest = expect(decode(data, max_bytes=limit), WeightManifest, "manifest")
+        own_model(manifest.model_id)
         return core.publish(manifest)
 
     @app.post("/v1/publish")

@@ -1,7 +1,11 @@
 """Synchronous client of the dataflow service, used by RaaS, trainers, callbacks and tests.
 
 msgpack bodies through :mod:`astralight.protocol`; the bearer token comes from the argument or
-``ASTRALIGHT_TOKEN``. For an ``https://`` dataflow (``tls_certfile`` on the service) the server
+``ASTRALIGHT_TOKEN`` (else the file ``ASTRALIGHT_TOKEN_FILE`` names): in each process, the token
+of that process's scope (rollout, trainer, admin: :mod:`astralight.dataflow.auth`). The
+``instance_secret`` a registration answers is kept for the process (per dataflow URL and
+instance id, so every client the process builds shares it) and sent, as the
+``X-Astralight-Instance-Secret`` header, with every call that names the instance. For an ``https://`` dataflow (``tls_certfile`` on the service) the server
 certificate is checked against ``ca_file`` (or ``ASTRALIGHT_CA_FILE``, else the system's trust
 store), so every component that builds a client -- RaaS, trainers, callbacks, the autoscaler --
 reaches a TLS dataflow by setting that one environment variable. Connection failures are retried with backoff for up to ``retry_s`` seconds so
@@ -16,6 +20,7 @@ import hashlib
 import logging
 import os
 import ssl
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,32 @@ from astralight.protocol import Batch, Sample, Task, WeightManifest, decode, enc
 MSGPACK = "application/msgpack"
 #: response header of /v1/pull carrying the service's batch_ack_timeout_s
 ACK_TIMEOUT_HEADER = "X-Batch-Ack-Timeout-S"
+#: request header carrying an instance's secret (see :class:`InstanceSecrets`)
+INSTANCE_SECRET_HEADER = "X-Astralight-Instance-Secret"
 log = logging.getLogger(__name__)
+
+
+class InstanceSecrets:
+    """The instance secrets this process got from registrations, per ``(dataflow URL,
+    instance_id)``; one table for the whole process (:data:`INSTANCE_SECRETS`), because a RaaS
+    talks through several clients (heartbeat, pushes, goodbye: one per thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._table: dict[tuple[str, str], str] = {}
+
+    def get(self, url: str, instance_id: str | None) -> str | None:
+        if not instance_id:
+            return None
+        with self._lock:
+            return self._table.get((url, instance_id))
+
+    def put(self, url: str, instance_id: str, secret: str) -> None:
+        with self._lock:
+            self._table[(url, instance_id)] = secret
+
+
+INSTANCE_SECRETS = InstanceSecrets()
 
 
 def tls_verify(ca_file: str | None = None, verify: bool | None = None) -> ssl.SSLContext | bool:
@@ -102,7 +132,11 @@ class DataflowClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.retry_s = retry_s
-        token = token if token is not None else os.environ.get("ASTRALIGHT_TOKEN", "")
+        from astralight.dataflow.auth import check_token, client_token
+
+        token = client_token() if token is None else token
+        if token:
+            check_token(token, "token")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   verify=tls_verify(ca_file, verify))
@@ -168,8 +202,16 @@ class DataflowClient:
                                 err if isinstance(err, dict) else None)
         return resp
 
-    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        return decode(self._send(method, path, body=body, timeout=timeout).content)
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+              instance_id: str | None = None) -> Any:
+        """One msgpack call; ``instance_id``: the instance it acts as (its secret is sent)."""
+        secret = INSTANCE_SECRETS.get(self.url, instance_id)
+        headers = {INSTANCE_SECRET_HEADER: secret} if secret else None
+        return decode(self._send(method, path, body=body, timeout=timeout, headers=headers).content)
+
+    def instance_secret(self, instance_id: str) -> str | None:
+        """The secret this process holds for ``instance_id`` on this dataflow (None: none)."""
+        return INSTANCE_SECRETS.get(self.url, instance_id)
 
     # ------------------------------------------------------------------ info
 
@@ -196,12 +238,22 @@ class DataflowClient:
         return {int(v): c for v, c in data["versions"].items()}
 
     def register(self, model_ids: list[str], capacity: int, instance_id: str | None = None,
-                 meta: dict | None = None, capacity_units: float = 1.0) -> dict:
+                 meta: dict | None = None, capacity_units: float = 1.0,
+                 limits: dict | None = None) -> dict:
         """Join the pool (``capacity``: most tasks at once; ``capacity_units``: GPUs or CPU slots).
-        Registering a known ``instance_id`` again makes it active, its counters kept."""
-        return self._call("POST", "/v1/register", {"model_ids": list(model_ids), "capacity": capacity,
-                                                   "instance_id": instance_id, "meta": meta or {},
-                                                   "capacity_units": float(capacity_units)})
+        Registering a known ``instance_id`` again makes it active, its counters kept (while it
+        is live, only with its secret: this process sends the one it holds). The reply's
+        ``instance_secret`` is kept and sent with every later call naming the instance.
+        ``limits``: ``{model_id: {vocab_size, max_model_len}}`` of this instance's engines; the
+        dataflow refuses pushed samples outside them."""
+        body = {"model_ids": list(model_ids), "capacity": capacity, "instance_id": instance_id,
+                "meta": meta or {}, "capacity_units": float(capacity_units)}
+        if limits:
+            body["limits"] = limits
+        reply = self._call("POST", "/v1/register", body, instance_id=instance_id)
+        if isinstance(reply, dict) and reply.get("instance_secret") and reply.get("instance_id"):
+            INSTANCE_SECRETS.put(self.url, reply["instance_id"], str(reply["instance_secret"]))
+        return reply
 
     def heartbeat(self, instance_id: str, in_flight: int | None = None,
                   stats: dict | None = None) -> dict:
@@ -212,32 +264,35 @@ class DataflowClient:
             body["in_flight"] = int(in_flight)
         if stats:
             body["stats"] = {k: float(v) for k, v in stats.items()}
-        return self._call("POST", "/v1/heartbeat", body)
+        return self._call("POST", "/v1/heartbeat", body, instance_id=instance_id)
 
     def drain(self, instance_id: str) -> dict:
         """Ask an instance to drain: no new tasks, its heartbeat replies ``drain=True``.
         Returns ``{instance_id, state, in_flight}``."""
-        return self._call("POST", f"/v1/instances/{instance_id}/drain")
+        return self._call("POST", f"/v1/instances/{instance_id}/drain", instance_id=instance_id)
 
     def return_tasks(self, instance_id: str, task_ids: list[str], failed: bool = False) -> dict:
         """Hand back leased tasks not pushed (leasable again at once); ``failed``: they could
         not be run (counts against the instance's health). Returns ``{"returned": n}``."""
         return self._call("POST", "/v1/return", {"instance_id": instance_id,
-                                                 "task_ids": list(task_ids), "failed": bool(failed)})
+                                                 "task_ids": list(task_ids), "failed": bool(failed)},
+                          instance_id=instance_id)
 
     def deregister(self, instance_id: str) -> dict:
         """Leave the pool, returning every task still leased. Returns ``{"returned": n}``."""
-        return self._call("POST", "/v1/deregister", {"instance_id": instance_id})
+        return self._call("POST", "/v1/deregister", {"instance_id": instance_id},
+                          instance_id=instance_id)
 
     def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
-        out = self._call("POST", "/v1/lease", {"instance_id": instance_id, "max_tasks": max_tasks})
+        out = self._call("POST", "/v1/lease", {"instance_id": instance_id, "max_tasks": max_tasks},
+                         instance_id=instance_id)
         return [expect(t, Task, "tasks[]") for t in out["tasks"]]
 
     def push(self, instance_id: str, task_id: str, samples: list) -> dict:
         """Push one task's samples; returns ``{accepted, filtered, duplicate}`` once they are
         durable. Idempotent: a task already accepted answers ``duplicate=True``."""
         return self._call("POST", "/v1/push", {"instance_id": instance_id, "task_id": task_id,
-                                               "samples": list(samples)})
+                                               "samples": list(samples)}, instance_id=instance_id)
 
     def push_many(self, instance_id: str,
                   items: list[tuple[str, list[Sample]]]) -> list[dict | Exception]:
@@ -257,7 +312,8 @@ class DataflowClient:
             return []
         try:
             out = self._call("POST", "/v1/push_many", {"instance_id": instance_id, "items": [
-                {"task_id": task_id, "samples": samples} for task_id, samples in items]})
+                {"task_id": task_id, "samples": samples} for task_id, samples in items]},
+                instance_id=instance_id)
             return [self._push_result(r) for r in out["results"]]
         except DataflowError as exc:
             return self._push_many_refused(instance_id, items, exc)

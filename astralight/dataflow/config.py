@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from astralight.dataflow.plugins import normalize_spec
+from astralight.protocol import MAX_VOCAB_SIZE
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -108,8 +109,10 @@ class DataflowConfig:
 
     Args:
         host: interface to bind; loopback by default. Any other address needs a bearer token
-            (``ASTRALIGHT_TOKEN`` in the service's environment): the service refuses to start
-            without one unless ``allow_insecure_public_bind`` is true.
+            (``ASTRALIGHT_TOKEN``, or the scoped ``ASTRALIGHT_ROLLOUT_TOKEN`` /
+            ``ASTRALIGHT_TRAINER_TOKEN`` / ``ASTRALIGHT_ADMIN_TOKEN``, in the service's
+            environment; :mod:`astralight.dataflow.auth`) of at least 16 bytes: the service
+            refuses to start without one unless ``allow_insecure_public_bind`` is true.
         port: TCP port (0 picks a free one; the ready line prints the real one).
         allow_insecure_public_bind: serve on a non-loopback ``host`` without a token (anyone who
             reaches the port may then lease, push and publish). Only for a network you fully
@@ -198,7 +201,24 @@ class DataflowConfig:
         max_samples_per_rollout: a push holds at most n * len(model_ids) * this many samples.
         vocab_sizes: ``{model_id: vocabulary size}``; a pushed sample with a token id outside
             ``[0, size)`` is refused (it would crash the trainer's embedding lookup). The
-            launcher fills it from each trainer's ``model_path/config.json``.
+            launcher fills it from each trainer's ``model_path/config.json``. Without it the
+            vocabulary a RaaS registered for its engine is used (``POST /v1/register``
+            ``limits``; a registration that disagrees with this setting is refused), and with
+            neither only ids below ``astralight.protocol.MAX_VOCAB_SIZE`` (2^24) pass. The
+            engines' registered ``max_model_len`` bounds a sample's length the same way (no
+            config).
+        temperatures: ``{model_id: sampling temperature}``: the policy module's ``temperature``
+            (``model.init_args.temperature``). A pushed train sample whose
+            ``metadata.temperature`` differs is refused on ingest with the trainer's own check
+            (``astralight.protocol.temperature_mismatch``), so it cannot stop the trainer later.
+            Policies not named: any finite temperature > 0 passes and the trainer checks it.
+        max_version_jump: a published version (and an upload for it) may be at most this many
+            versions above the policy's current one. A WeightPublisher that falls behind skips
+            the snapshots it replaced (one version per ``every_n_steps`` optimizer steps spent
+            on one publication: a few), so the default leaves a wide margin, while one manifest
+            with a huge version (a bug, a hostile client: 2^53-1 would make every later
+            publish 409 and every queued sample stale, for good) is refused. Raise it for a
+            trainer resumed from a checkpoint far ahead of this state folder.
         max_pull_timeout_s: upper bound on one long-poll pull.
         log_level: Python logging level of the service.
         weights_gc: garbage-collect old weight versions. Per model_id the store keeps the latest
@@ -242,6 +262,8 @@ class DataflowConfig:
     batch_ack_timeout_s: float = 600.0
     max_samples_per_rollout: int = 32  # multi-turn rollouts emit one sample per turn
     vocab_sizes: dict[str, int] = field(default_factory=dict)
+    temperatures: dict[str, float] = field(default_factory=dict)
+    max_version_jump: int = 1000
     max_pull_timeout_s: float = 300.0
     log_level: str = "INFO"
     weights_gc: bool = True
@@ -326,6 +348,20 @@ class DataflowConfig:
                 raise ValueError(f"vocab_sizes: {mid!r} is not one of model_ids {self.model_ids}")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"vocab_sizes.{mid}: must be a positive int, got {size!r}")
+            if size > MAX_VOCAB_SIZE:
+                raise ValueError(f"vocab_sizes.{mid}: {size} exceeds {MAX_VOCAB_SIZE} (no "
+                                 "tokenizer is that large); give the model's vocab_size")
+        for mid, t in self.temperatures.items():
+            if mid not in self.model_ids:
+                raise ValueError(f"temperatures: {mid!r} is not one of model_ids {self.model_ids}")
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                    math.isfinite(t) and t > 0):
+                raise ValueError(f"temperatures.{mid}: must be the policy's sampling temperature "
+                                 f"(a finite number > 0), got {t!r}")
+        if (isinstance(self.max_version_jump, bool) or not isinstance(self.max_version_jump, int)
+                or self.max_version_jump < 1):
+            raise ValueError(f"max_version_jump: must be an int >= 1 (versions a publication may "
+                             f"skip ahead), got {self.max_version_jump!r}")
         if self.max_clients_tracked < 1:
             raise ValueError(f"max_clients_tracked: must be >= 1, got {self.max_clients_tracked}")
         if not self.weights_keep_s >= 0:

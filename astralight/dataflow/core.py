@@ -38,7 +38,9 @@ from astralight.dataflow.queues import FreshQueue, QueueEntry
 from astralight.dataflow.replay import ReplayEntry, ReplayPool
 from astralight.dataflow.store import Store
 from astralight.dataflow.weightfiles import WeightFiles, check_file_name
-from astralight.protocol import SCHEMA_VERSION, Batch, Sample, Task, WeightManifest, decode, encode
+from astralight.protocol import (LOGPROB_FLOOR, MAX_VOCAB_SIZE, SCHEMA_VERSION, Batch,
+                                 ProtocolError, Sample, Task, WeightManifest,
+                                 check_sample_metadata, decode, encode)
 from astralight.tasks.base import PromptSource
 
 log = logging.getLogger("astralight.dataflow")
@@ -94,6 +96,9 @@ class Dataflow:
         self.opened_at = time.time()  # batch ack timeouts count from here at the earliest
         self.weights = WeightFiles(self.state_dir / "weights")
         self.model_ids = list(config.model_ids)
+        #: what each instance's engines registered per model_id (``limits``; mirrors SQLite)
+        self.instance_limits: dict[str, dict] = {
+            r["instance_id"]: membership.stored_limits(r) for r in self.store.instances()}
         stored = self.store.latest_versions()
         self.versions = {m: stored.get(m, 0) for m in self.model_ids}
         self.primary = self.model_ids[0]
@@ -122,6 +127,9 @@ class Dataflow:
                 for r in self.store.version_rows(m)] for m in self.model_ids}
         self._gc_next = 0.0
         self.weights.purge_trash()
+        stale_tmp = self.weights.purge_temp()  # uploads a crash interrupted: none is in flight now
+        if stale_tmp:
+            log.info("removed %d temporary file(s) of interrupted weight uploads", stale_tmp)
         self.gc_weights()
         with self.store.tx():
             # version 0's "publication": when this state folder first served (balance wall time)
@@ -272,6 +280,66 @@ class Dataflow:
                                                    "call register first")
         return row
 
+    def _check_vocab_agreement(self, instance_id: str, limits: dict, now: float) -> None:
+        """Under the lock: refuse a registered vocabulary size that disagrees with the config's
+        ``vocab_sizes`` or with another live instance's registration for the same model_id."""
+        others = [(r["instance_id"], self.instance_limits.get(r["instance_id"], {}))
+                  for r in self.store.instances()
+                  if r["instance_id"] != instance_id
+                  and membership.is_live(r["state"], now - r["last_seen"], self.config.lease_seconds)]
+        for m, entry in limits.items():
+            vocab = entry.get("vocab_size")
+            if vocab is None:
+                continue
+            field = f"limits.{m}.vocab_size"
+            configured = self.config.vocab_sizes.get(m)
+            if configured is not None and configured != vocab:
+                raise ServiceError(422, field, (
+                    f"this instance's engine for {m!r} has a vocabulary of {vocab} tokens, the "
+                    f"dataflow's vocab_sizes.{m} says {configured}: the RaaS serves another model "
+                    "than the trainer; point the RaaS engine's model_path at the trainer's model "
+                    f"(or correct vocab_sizes.{m} in the dataflow config)"))
+            clash = membership.vocab_conflict(m, vocab, others)
+            if clash is not None:
+                raise ServiceError(422, field, (
+                    f"this instance's engine for {m!r} has a vocabulary of {vocab} tokens, live "
+                    f"instance {clash[0]} registered {clash[1]}: two RaaS serve different models "
+                    f"as {m!r}; give both the same model_path (or set vocab_sizes.{m} in the "
+                    "dataflow config to the trainer's)"))
+
+    def _pool_limits(self, model_id: str) -> dict:
+        """The effective limits of ``model_id`` over the whole pool (the config's vocab_sizes
+        wins): ``{vocab_size, max_model_len}``, each None when nobody said."""
+        pool = membership.pool_limits(model_id, self.instance_limits.values())
+        vocab = self.config.vocab_sizes.get(model_id, pool.get("vocab_size"))
+        return {"vocab_size": vocab, "max_model_len": pool.get("max_model_len")}
+
+    def _sample_limits(self, instance_id: str, model_id: str) -> tuple[int, str, int | None, str]:
+        """``(vocab, vocab_source, max_len, max_len_source)`` a sample of ``model_id`` pushed by
+        ``instance_id`` must respect. The vocabulary: ``vocab_sizes`` of the config, else what
+        the pushing instance registered, else what another instance registered, else
+        :data:`MAX_VOCAB_SIZE` (nothing known: only ids no tokenizer has are refused). The
+        length: the pushing instance's registered ``max_model_len``, else the pool's largest,
+        else None (unchecked: the body limit ``max_body_bytes`` still bounds it)."""
+        own = self.instance_limits.get(instance_id, {}).get(model_id, {})
+        pool = membership.pool_limits(model_id, self.instance_limits.values())
+        if model_id in self.config.vocab_sizes:
+            vocab, vsrc = self.config.vocab_sizes[model_id], f"vocab_sizes.{model_id}"
+        elif "vocab_size" in own:
+            vocab, vsrc = own["vocab_size"], f"the vocab_size instance {instance_id} registered"
+        elif "vocab_size" in pool:
+            vocab, vsrc = pool["vocab_size"], "the vocab_size a RaaS registered"
+        else:
+            vocab, vsrc = MAX_VOCAB_SIZE, "MAX_VOCAB_SIZE (no vocabulary known: set vocab_sizes)"
+        if "max_model_len" in own:
+            max_len, lsrc = own["max_model_len"], (f"the max_model_len instance {instance_id} "
+                                                   "registered")
+        elif "max_model_len" in pool:
+            max_len, lsrc = pool["max_model_len"], "the largest max_model_len a RaaS registered"
+        else:
+            max_len, lsrc = None, ""
+        return int(vocab), vsrc, max_len, lsrc
+
     def _maybe_schedule_eval(self, model_id: str, version: int, now: float,
                              previous: int | None = None) -> int:
         """Evaluate ``version`` if it is a multiple of ``eval.every``, or if it is the first
@@ -304,6 +372,9 @@ class Dataflow:
                 "batch_ack_timeout_s": cfg.batch_ack_timeout_s,
                 "max_body_bytes": cfg.max_body_bytes,
                 "max_weight_file_bytes": cfg.max_weight_file_bytes,
+                "max_version_jump": cfg.max_version_jump,
+                "temperatures": dict(cfg.temperatures),
+                "limits": {m: self._pool_limits(m) for m in self.model_ids},
                 "eval": {"enabled": self.eval_source is not None, "every": cfg.eval.every,
                          "k": cfg.eval.k, "n": cfg.eval.samples(),
                          "pass_k": cfg.eval.pass_ks(), "n_prompts": self.eval_prompts}}
@@ -311,9 +382,17 @@ class Dataflow:
     # ------------------------------------------------------------------ RaaS side
 
     def register(self, model_ids: list[str], capacity: int, instance_id: str | None,
-                 meta: dict, capacity_units: float = 1.0, now: float | None = None) -> dict:
+                 meta: dict, capacity_units: float = 1.0, now: float | None = None,
+                 limits: dict | None = None) -> dict:
         """Add an instance to the pool, or make a known one ``active`` again (after a restart of
-        either side, a drain or a deregister) keeping its counters."""
+        either side, a drain or a deregister) keeping its counters.
+
+        ``limits``: what the instance's engines can produce per model_id (``vocab_size``,
+        ``max_model_len``; :func:`membership.check_limits`); pushed samples are checked against
+        them (:meth:`_sample_limits`). A vocabulary size that disagrees with ``vocab_sizes`` of
+        the config, or with what another live instance registered for the same model_id, is
+        refused (422 naming ``limits.<model_id>.vocab_size``): that RaaS serves another model.
+        """
         if not model_ids:
             raise ServiceError(422, "model_ids", "must list the model_ids this instance serves")
         for m in model_ids:
@@ -323,15 +402,20 @@ class Dataflow:
         if not (isinstance(capacity_units, (int, float)) and 0 < capacity_units < 1e6):
             raise ServiceError(422, "capacity_units", f"must be > 0 (GPUs or CPU slots), got "
                                                       f"{capacity_units!r}")
+        limits = membership.check_limits(limits, list(model_ids))
         instance_id = instance_id or f"raas-{uuid.uuid4().hex[:12]}"
         now = time.time() if now is None else now
-        with self.lock, self.store.tx():
-            known = self.store.instance(instance_id) is not None
-            self.store.upsert_instance(instance_id, list(model_ids), capacity, meta, now,
-                                       float(capacity_units), self.config.lease_seconds)
-        log.info("instance %s %s for %s (capacity %d, %g capacity units)", instance_id,
+        with self.lock:
+            self._check_vocab_agreement(instance_id, limits, now)
+            with self.store.tx():
+                known = self.store.instance(instance_id) is not None
+                self.store.upsert_instance(instance_id, list(model_ids), capacity, meta, now,
+                                           float(capacity_units), self.config.lease_seconds,
+                                           limits=limits)
+            self.instance_limits[instance_id] = limits
+        log.info("instance %s %s for %s (capacity %d, %g capacity units%s)", instance_id,
                  "registered again" if known else "registered", model_ids, capacity,
-                 capacity_units)
+                 capacity_units, f", limits {limits}" if limits else "")
         return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
                 "versions": dict(self.versions)}
 
@@ -610,7 +694,7 @@ class Dataflow:
                 return {"accepted": 0, "filtered": 0, "duplicate": True}
             if row["lease_count"] == 0:
                 raise ServiceError(409, "task_id", f"task {task_id!r} was never leased")
-            self._validate_samples(row, model_ids, samples)
+            self._validate_samples(row, model_ids, samples, instance_id)
             _group_stats(samples)
             entries: list[QueueEntry] = []
             outcome = None
@@ -705,7 +789,24 @@ class Dataflow:
                                 kept=kept_groups)
         return kept, outcome
 
-    def _validate_samples(self, row, model_ids: list[str], samples: list[Sample]) -> None:
+    def _validate_samples(self, row, model_ids: list[str], samples: list[Sample],
+                          instance_id: str = "") -> None:
+        """Refuse (422 naming ``samples[i].<field>``) a push whose samples the trainer could
+        not train on correctly; one bad sample refuses the whole push (the task stays open and
+        the RaaS hands it back as failed). Per sample, besides its task, model_id and index:
+
+        * token ids in ``[0, vocab)`` and at most ``max_model_len`` tokens
+          (:meth:`_sample_limits`: the config's ``vocab_sizes``, else what the RaaS engines
+          registered; ids below ``MAX_VOCAB_SIZE`` when no vocabulary is known);
+        * no token of a version newer than the policy's current one -- on *any* token, masked
+          or not (a sample claiming a future version would never go stale);
+        * at least one loss-masked token: a sample with none has nothing to train on, and its
+          staleness could not be measured. Such a sample is **refused**, not dropped (a workflow
+          should not emit it);
+        * behaviour log-probs >= ``LOGPROB_FLOOR`` (no engine samples a less likely token);
+        * metadata the trainer reads (:func:`astralight.protocol.check_sample_metadata`): on a
+          train task a sampling temperature that matches ``temperatures`` of the config.
+        """
         limit = decode(bytes(row["payload"])).n * len(model_ids) * self.config.max_samples_per_rollout
         if not samples:
             raise ServiceError(422, "samples", "must hold at least one sample")
@@ -727,17 +828,44 @@ class Dataflow:
                 raise ServiceError(422, f"samples[{i}].sample_index",
                                    f"sample_index {s.sample_index} of {s.model_id!r} repeats")
             seen.add(key)
-            vocab = self.config.vocab_sizes.get(s.model_id)
-            ids = s.token_ids
-            if ids.size and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
-                raise ServiceError(422, f"samples[{i}].token_ids",
-                                   f"token ids must lie in [0, {vocab if vocab else 'vocab'}) of "
-                                   f"{s.model_id!r}; got {int(ids.min())}..{int(ids.max())}")
-            gen = s.versions[s.loss_mask.astype(bool)]
-            if gen.size and int(gen.max()) > self.versions[s.model_id]:
-                raise ServiceError(422, f"samples[{i}].versions",
-                                   f"version {int(gen.max())} is newer than the published version "
-                                   f"{self.versions[s.model_id]} of {s.model_id!r}")
+            self._validate_sample(i, s, instance_id, train=row["kind"] == "train")
+
+    def _validate_sample(self, i: int, s: Sample, instance_id: str, train: bool) -> None:
+        """One sample's checks (see :meth:`_validate_samples`)."""
+        at = f"samples[{i}]"
+        vocab, vsrc, max_len, lsrc = self._sample_limits(instance_id, s.model_id)
+        ids = s.token_ids
+        if max_len is not None and ids.size > max_len:
+            raise ServiceError(422, f"{at}.token_ids", (
+                f"{ids.size} tokens exceed max_model_len={max_len} of {s.model_id!r} ({lsrc}); "
+                "no engine of this policy can produce it: trim the sample in the workflow, or "
+                "register the engine's real max_model_len"))
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ServiceError(422, f"{at}.token_ids", (
+                f"token ids must lie in [0, {vocab}) of {s.model_id!r} ({vsrc}); got "
+                f"{int(ids.min())}..{int(ids.max())}: the sample was tokenized for another model"))
+        current = self.versions[s.model_id]
+        if s.versions.size and int(s.versions.max()) > current:
+            raise ServiceError(422, f"{at}.versions", (
+                f"version {int(s.versions.max())} is newer than the published version {current} "
+                f"of {s.model_id!r}; every token's version must be a published one (or -1 for "
+                "prompt and environment tokens)"))
+        mask = s.loss_mask.astype(bool)
+        if not mask.any():
+            raise ServiceError(422, f"{at}.loss_mask", (
+                "has no trained token (all 0): the sample carries nothing to learn and no "
+                "version to measure its staleness by; do not push samples without generated "
+                "tokens (e.g. an empty completion)"))
+        if s.logprobs.size and float(s.logprobs.min()) < LOGPROB_FLOOR:
+            raise ServiceError(422, f"{at}.logprobs", (
+                f"log-prob {float(s.logprobs.min()):g} is below LOGPROB_FLOOR={LOGPROB_FLOOR:g}: "
+                "no engine samples a token that unlikely; send the engine's behaviour log-prob "
+                "of each generated token (0 on prompt and environment tokens)"))
+        try:
+            check_sample_metadata(s.metadata, at, self.config.temperatures.get(s.model_id),
+                                  trained=train)
+        except ProtocolError as exc:
+            raise ServiceError(422, exc.field, exc.message) from None
 
     def _record_eval(self, row, samples: list[Sample], now: float) -> None:
         target = row["target_model"]
@@ -1010,12 +1138,30 @@ class Dataflow:
         return self.versions[self._model(model_id)]
 
     def check_upload(self, model_id: str, version: int, name: str) -> None:
+        """An upload of ``name`` for ``version`` may go ahead: a plain file name
+        (:func:`check_file_name`), a version newer than the current one (published versions are
+        immutable: 409) and within ``max_version_jump`` of it (422)."""
         self._model(model_id)
         check_file_name(name)
         if version <= self.versions[model_id]:
             raise ServiceError(409, "version", f"version {version} of {model_id!r} is not newer than "
                                                f"the current version {self.versions[model_id]}; "
                                                "published versions are immutable")
+        self._check_version_jump(model_id, version, "version")
+
+    def _check_version_jump(self, model_id: str, version: int, field: str) -> None:
+        """422 naming ``field`` when ``version`` is more than ``max_version_jump`` above the
+        current version of ``model_id``: one such publication would make every queued sample
+        stale and every later publication of the trainer 409, for as long as the trainer
+        needs to count up to it."""
+        current, jump = self.versions[model_id], self.config.max_version_jump
+        if version > current + jump:
+            raise ServiceError(422, field, (
+                f"version {version} of {model_id!r} is {version - current} above the current "
+                f"version {current}, more than max_version_jump={jump}; publish versions "
+                f"{current + 1}..{current + jump} (a WeightPublisher numbers them optimizer_steps "
+                "// every_n_steps), or raise max_version_jump in the dataflow config for a "
+                "trainer resumed from a checkpoint far ahead of this state folder"))
 
     def commit_upload(self, tmp: Path, model_id: str, version: int, name: str, sha256: str) -> None:
         """Move an uploaded file into place unless its version got published meanwhile."""
@@ -1029,7 +1175,8 @@ class Dataflow:
             self.weights.commit(tmp, model_id, version, name, sha256)
 
     def publish(self, manifest: WeightManifest) -> dict:
-        """Record version N of a policy after checking its files; versions only move forward."""
+        """Record version N of a policy after checking its files; versions only move forward,
+        by at most ``max_version_jump`` at a time (:meth:`_check_version_jump`)."""
         mid = self._model(manifest.model_id, "manifest.model_id")
         with self.lock:
             current = self.versions[mid]
@@ -1037,6 +1184,7 @@ class Dataflow:
                 raise ServiceError(409, "manifest.version",
                                    f"version {manifest.version} of {mid!r} is not newer than the "
                                    f"current version {current}; versions only move forward")
+            self._check_version_jump(mid, manifest.version, "manifest.version")
             if manifest.kind == "delta" and manifest.base_version > current:
                 raise ServiceError(422, "manifest.base_version",
                                    f"base version {manifest.base_version} is not published "
@@ -1050,8 +1198,9 @@ class Dataflow:
             if not manifest.files:
                 raise ServiceError(422, "manifest.files", "must list at least one file")
             for name, info in manifest.files.items():
-                field = f"manifest.files[{name}]"
-                got = self.weights.sha256(mid, manifest.version, name)
+                field = f"manifest.files[{name[:80]}]"
+                check_file_name(name, field)
+                got = self.weights.sha256(mid, manifest.version, name, field)
                 if got is None:
                     raise ServiceError(422, field, f"was not uploaded; PUT it to /v1/weights/{mid}/"
                                                    f"{manifest.version}/{name} first")

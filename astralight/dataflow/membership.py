@@ -15,6 +15,14 @@ while its last ``suspect_failures`` tasks failed (one success lifts it); and a s
 (mean lease->push time above ``slow_factor`` x the pool median) holds proportionally fewer, so
 it stops hoarding tasks the fast instances would finish sooner.
 
+**Engine limits.** A RaaS registers, per model_id it serves, what its engine can produce
+(``limits``: ``vocab_size``, the rows of the model's embedding, and ``max_model_len``, its context
+length); :func:`check_limits` validates them, and the service refuses pushed samples with a token
+id outside the vocabulary or more tokens than the context (the trainer would crash on the first,
+and pad a whole batch to the second). The dataflow's own ``vocab_sizes`` config wins and a
+registration must agree with it, and with what the other live instances serving the same
+model_id registered (they must serve the same model).
+
 Pure functions over plain values: the service core feeds them stored rows and the clock, tests
 feed them hand-made values.
 """
@@ -24,7 +32,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
+
+from astralight.dataflow.errors import ServiceError
+from astralight.protocol import MAX_ARRAY_ELEMENTS, MAX_VOCAB_SIZE
 
 #: stored states (what the instance or an operator asked for)
 ACTIVE, DRAINING, LEFT = "active", "draining", "left"
@@ -32,6 +43,8 @@ ACTIVE, DRAINING, LEFT = "active", "draining", "left"
 HEALTHY, SUSPECT, GONE = "healthy", "suspect", "gone"
 #: an instance's mean task time counts (for itself and the pool median) after this many tasks
 MIN_TIMED_TASKS = 3
+#: what a registration's ``limits`` may say per model_id, with the largest accepted value
+LIMIT_KEYS = {"vocab_size": MAX_VOCAB_SIZE, "max_model_len": MAX_ARRAY_ELEMENTS}
 
 
 def status(state: str, idle_s: float, fail_streak: int, lease_seconds: float,
@@ -124,6 +137,7 @@ def instance_row(row: Mapping, now: float, held: int, lease_seconds: float,
         "mean_task_s": round(mean, 4) if mean is not None else None,
         "samples_pushed": row["samples_pushed"],
         "samples_per_s": round(row["samples_pushed"] / alive, 4) if alive > 0 else 0.0,
+        "limits": stored_limits(row),
     }
 
 
@@ -136,3 +150,82 @@ def instance_table(rows: Iterable[Mapping], now: float, held: Mapping[str, int],
     for r in table:
         r["throughput_share"] = round(r["samples_pushed"] / total, 4)
     return table
+
+
+# ----------------------------------------------------------------------------- engine limits
+
+
+def check_limits(limits: Any, model_ids: list[str], field: str = "limits") -> dict:
+    """A registration's ``limits``: ``{model_id: {"vocab_size": int, "max_model_len": int}}``
+    for model_ids the instance serves, each value a positive int within :data:`LIMIT_KEYS`
+    (either key may be absent: an engine that does not know it says nothing). Returns a clean
+    copy; raises ServiceError 422 naming ``limits.<model_id>.<key>``."""
+    if limits is None:
+        return {}
+    if not isinstance(limits, dict):
+        raise ServiceError(422, field, f"must map model_id -> {{vocab_size, max_model_len}}, got "
+                                       f"{type(limits).__name__}")
+    out: dict[str, dict[str, int]] = {}
+    for mid, entry in limits.items():
+        at = f"{field}.{str(mid)[:64]}"
+        if mid not in model_ids:
+            raise ServiceError(422, at, f"{str(mid)[:64]!r} is not one of the model_ids this "
+                                        f"instance registers for {model_ids}")
+        if not isinstance(entry, dict):
+            raise ServiceError(422, at, f"must be a map {{vocab_size, max_model_len}}, got "
+                                        f"{type(entry).__name__}")
+        clean: dict[str, int] = {}
+        for key, value in entry.items():
+            if key not in LIMIT_KEYS:
+                raise ServiceError(422, f"{at}.{str(key)[:64]}",
+                                   f"unknown limit; an engine may say {sorted(LIMIT_KEYS)}")
+            if value is None:
+                continue
+            hi = LIMIT_KEYS[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ServiceError(422, f"{at}.{key}", f"must be an int in [1, {hi}], got "
+                                                       f"{value!r}")
+            clean[key] = value
+        if clean:
+            out[mid] = clean
+    return out
+
+
+def stored_limits(row: Mapping) -> dict:
+    """The limits an instance row holds (``{}`` for none, or a row from before limits existed)."""
+    keys = row.keys() if hasattr(row, "keys") else ()
+    raw = row["limits"] if "limits" in keys else None
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def vocab_conflict(model_id: str, vocab_size: int, others: Iterable[tuple[str, Mapping]]
+                   ) -> tuple[str, int] | None:
+    """``(instance_id, vocab_size)`` of the first of ``others`` (``(instance_id, limits)`` of
+    the live instances besides the registering one) that registered another vocabulary size
+    for ``model_id``; None when they agree."""
+    for iid, limits in others:
+        theirs = (limits.get(model_id) or {}).get("vocab_size")
+        if theirs is not None and theirs != vocab_size:
+            return iid, theirs
+    return None
+
+
+def pool_limits(model_id: str, registered: Iterable[Mapping]) -> dict[str, int]:
+    """What the pool as a whole says about ``model_id`` (for an instance that registered
+    nothing itself): the vocabulary size of the first registration that names one (live
+    instances agree, :func:`vocab_conflict`), and the largest ``max_model_len`` (a sample may
+    come from the instance with the longest context)."""
+    out: dict[str, int] = {}
+    for limits in registered:
+        entry = limits.get(model_id) or {}
+        if "vocab_size" in entry and "vocab_size" not in out:
+            out["vocab_size"] = int(entry["vocab_size"])
+        if "max_model_len" in entry:
+            out["max_model_len"] = max(out.get("max_model_len", 0), int(entry["max_model_len"]))
+    return out

@@ -6,9 +6,13 @@ Parses the config, opens the state, serves with uvicorn and prints exactly one l
 accepts connections (launchers and tests wait for it). SIGTERM/SIGINT shut down cleanly: pending
 pulls return, the SQLite WAL is checkpointed and closed.
 
-Before binding, :func:`check_bind` refuses a non-loopback ``host`` without ``ASTRALIGHT_TOKEN``
-(exit status 2, an error naming the host and the variable), unless the config says
-``allow_insecure_public_bind: true``. The override is a config key rather than an environment
+The tokens come from the environment (:meth:`astralight.dataflow.auth.Credentials.from_env`:
+``ASTRALIGHT_TOKEN`` for every scope, ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``ASTRALIGHT_TRAINER_TOKEN`` /
+``ASTRALIGHT_ADMIN_TOKEN`` per scope, each also as ``..._FILE``); one that is set but empty or
+whitespace stops the service (exit status 2). Before binding, :func:`check_bind` refuses a
+non-loopback ``host`` without a token (exit status 2, an error naming the host and the variable),
+unless the config says ``allow_insecure_public_bind: true``, and refuses tokens shorter than 16
+bytes there. The override is a config key rather than an environment
 variable on purpose: it is written in the config file the run keeps, where a reviewer sees it,
 and cannot leak in from a shell.
 """
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import signal
 import ssl
 import sys
@@ -26,6 +29,7 @@ from pathlib import Path
 import uvicorn
 
 from astralight.dataflow.app import create_app
+from astralight.dataflow.auth import MIN_PUBLIC_TOKEN_BYTES, Credentials
 from astralight.dataflow.config import DataflowConfig, parse_config
 
 log = logging.getLogger("astralight.dataflow")
@@ -73,27 +77,35 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str | None, allow_insecure_public_bind: bool = False,
+def check_bind(host: str, token: str | Credentials | None, allow_insecure_public_bind: bool = False,
                tls: bool = False) -> None:
     """Refuse to serve on a non-loopback address without a bearer token (ValueError naming the
-    host, ``ASTRALIGHT_TOKEN`` and the override); warn about the weaker setups that remain."""
+    host, ``ASTRALIGHT_TOKEN`` and the override) or with a token shorter than 16 bytes (naming
+    its variable); warn about the weaker setups that remain. ``token``: the single token
+    (``ASTRALIGHT_TOKEN``) or every token the service accepts (:class:`Credentials`)."""
     if is_loopback(host):
         return
-    if not token:
+    tokens = (token.tokens if isinstance(token, Credentials)
+              else {"ASTRALIGHT_TOKEN": token} if token else {})
+    if not tokens:
         if not allow_insecure_public_bind:
             raise ValueError(
                 f"host: refusing to serve on {host!r}, which is not a loopback address, without a "
                 "bearer token: anyone who reaches the port could lease tasks, push samples and "
                 "publish weights. Set ASTRALIGHT_TOKEN (the same value for the service and every "
-                "client), or bind host: 127.0.0.1, or -- only on a network you fully trust -- set "
+                "client; or one token per scope: ASTRALIGHT_ROLLOUT_TOKEN, "
+                "ASTRALIGHT_TRAINER_TOKEN, ASTRALIGHT_ADMIN_TOKEN), or bind host: 127.0.0.1, or "
+                "-- only on a network you fully trust -- set "
                 "allow_insecure_public_bind: true in the dataflow config")
         log.warning("serving on %s WITHOUT a bearer token (allow_insecure_public_bind: true): "
                     "every route is open to anyone who reaches the port", host)
         return
-    if len(token) < 16:
-        log.warning("ASTRALIGHT_TOKEN is only %d characters; use at least 16 random characters "
-                    "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
-                    len(token))
+    for name, value in tokens.items():
+        if len(value.encode()) < MIN_PUBLIC_TOKEN_BYTES or not value.strip():
+            raise ValueError(
+                f"{name}: the token is only {len(value.encode())} bytes; a public host ({host!r}) "
+                f"needs at least {MIN_PUBLIC_TOKEN_BYTES} random characters (e.g. python -c "
+                "'import secrets; print(secrets.token_urlsafe(32))')")
     if not tls:
         log.warning("serving on %s over plain HTTP: the bearer token and all data travel in "
                     "clear text; set tls_certfile/tls_keyfile or put a TLS proxy in front", host)
@@ -118,10 +130,11 @@ def check_tls_files(config: DataflowConfig) -> None:
 
 
 def serve(config: DataflowConfig) -> None:
-    token = os.environ.get("ASTRALIGHT_TOKEN", "")
-    check_bind(config.host, token, config.allow_insecure_public_bind, bool(config.tls_certfile))
+    credentials = Credentials.from_env(config.model_ids)
+    check_bind(config.host, credentials, config.allow_insecure_public_bind,
+               bool(config.tls_certfile))
     check_tls_files(config)
-    app = create_app(config, token=token)
+    app = create_app(config, credentials=credentials)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                access_log=False, timeout_graceful_shutdown=5, lifespan="on",
                                ssl_certfile=config.tls_certfile, ssl_keyfile=config.tls_keyfile)

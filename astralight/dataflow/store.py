@@ -4,8 +4,8 @@ Everything that must survive ``kill -9`` lives here: tasks and their leases, acc
 msgpack-encoded :class:`Sample`), served batches until acknowledged (with their last keep-alive,
 ``renewed_at``), published versions and their manifests and publication times, eval reports,
 counters, the prompt-source cursor, registered instances (their capacity, state and health
-counters), the data plugins' state snapshots and the curator journal (what the curators learned
-since the last snapshot). The in-memory fresh queues are a cache rebuilt from the ``samples``
+counters, and the limits their engines registered), the data plugins' state snapshots and the
+curator journal (what the curators learned since the last snapshot). The in-memory fresh queues are a cache rebuilt from the ``samples``
 table on start.
 
 Durability: with ``group_commit`` (what the service uses by default) SQLite runs with
@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS instances (
     alive_prior_s REAL NOT NULL DEFAULT 0, tasks_done INTEGER NOT NULL DEFAULT 0,
     tasks_failed INTEGER NOT NULL DEFAULT 0, tasks_returned INTEGER NOT NULL DEFAULT 0,
     fail_streak INTEGER NOT NULL DEFAULT 0, busy_s REAL NOT NULL DEFAULT 0,
-    tasks_timed INTEGER NOT NULL DEFAULT 0, reported_in_flight INTEGER);
+    tasks_timed INTEGER NOT NULL DEFAULT 0, reported_in_flight INTEGER, limits TEXT);
 CREATE TABLE IF NOT EXISTS tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL UNIQUE, kind TEXT NOT NULL,
     model_ids TEXT NOT NULL, target_model TEXT, eval_version INTEGER, prompt_index INTEGER,
@@ -109,7 +109,10 @@ MIGRATIONS = {
                   ("fail_streak", "INTEGER NOT NULL DEFAULT 0"),
                   ("busy_s", "REAL NOT NULL DEFAULT 0"),
                   ("tasks_timed", "INTEGER NOT NULL DEFAULT 0"),
-                  ("reported_in_flight", "INTEGER")],
+                  ("reported_in_flight", "INTEGER"),
+                  # what the instance's engines said at registration, per model_id (JSON
+                  # {model_id: {vocab_size, max_model_len}}; NULL: nothing said)
+                  ("limits", "TEXT")],
     "tasks": [("leased_at", "REAL")],
     # last keep-alive of a served batch (POST /v1/batches/extend); NULL: never extended
     "batches": [("renewed_at", "REAL"), ("acked_step", "INTEGER"), ("rolled_back_at", "REAL")],
@@ -253,21 +256,24 @@ class Store:
 
     def upsert_instance(self, instance_id: str, model_ids: list[str], capacity: int, meta: dict,
                         now: float, capacity_units: float = 1.0,
-                        lease_seconds: float | None = None) -> None:
+                        lease_seconds: float | None = None, limits: dict | None = None) -> None:
         """Register a new instance, or reactivate a known one keeping its counters.
 
         A known instance that left (or went silent for more than ``lease_seconds``) starts a new
         stint: the time it was alive so far moves to ``alive_prior_s`` and ``registered_at``
         becomes now, so ``alive_s`` never counts the gap. A quick re-register (a restarted RaaS
-        or dataflow) keeps the stint going.
+        or dataflow) keeps the stint going. ``limits`` (what its engines said, per model_id)
+        replaces what an earlier registration said.
         """
         row = self.instance(instance_id)
+        limits_json = json.dumps(limits) if limits else None
         if row is None:
             self.conn.execute(
                 "INSERT INTO instances(instance_id, model_ids, capacity, meta, registered_at,"
-                " last_seen, capacity_units, state) VALUES(?, ?, ?, ?, ?, ?, ?, 'active')",
+                " last_seen, capacity_units, state, limits)"
+                " VALUES(?, ?, ?, ?, ?, ?, ?, 'active', ?)",
                 (instance_id, json.dumps(model_ids), capacity, json.dumps(meta), now, now,
-                 capacity_units))
+                 capacity_units, limits_json))
             return
         prior, start = float(row["alive_prior_s"]), row["registered_at"]
         if row["state"] == "left" and row["left_at"] is not None:
@@ -276,9 +282,10 @@ class Store:
             prior, start = prior + max(0.0, row["last_seen"] - start), now
         self.conn.execute(
             "UPDATE instances SET model_ids=?, capacity=?, meta=?, capacity_units=?, last_seen=?,"
-            " state='active', left_at=NULL, registered_at=?, alive_prior_s=? WHERE instance_id=?",
+            " state='active', left_at=NULL, registered_at=?, alive_prior_s=?, limits=?"
+            " WHERE instance_id=?",
             (json.dumps(model_ids), capacity, json.dumps(meta), capacity_units, now, start, prior,
-             instance_id))
+             limits_json, instance_id))
 
     def touch_instance(self, instance_id: str, now: float, leased: int = 0, pushed: int = 0) -> None:
         self.conn.execute("UPDATE instances SET last_seen=?, tasks_leased=tasks_leased+?,"

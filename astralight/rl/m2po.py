@@ -36,6 +36,11 @@ push the ratio further from 1 in the advantage's direction). Exactly what is imp
 
 Differences from the released code, on purpose: the selection is over the whole batch (all ranks,
 all micro-batches) rather than per micro-batch, and ``n_tokens`` may be the batch's token count.
+
+Both losses exponentiate ``log r`` only after clamping it to ``+-LOG_RATIO_CLAMP``
+(:func:`astralight.rl.kl.clamped_log_ratio`), so they and their gradients stay finite for any
+finite log-probs (a behaviour log-prob at ``LOGPROB_FLOOR`` included); the selections see the
+unclamped values (an extreme token is masked first).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from astralight.rl.kl import masked_mean, ratio_metrics
+from astralight.rl.kl import clamped_log_ratio, masked_mean, ratio_metrics
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -192,7 +197,7 @@ def m2po_loss(
     keep = keep.bool() & m
     # log r is zeroed on dropped tokens before exp so that an overflowing ratio there cannot
     # leak NaN into the gradient through torch.where.
-    log_ratio = torch.where(keep, logp - logp_behaviour, torch.zeros_like(logp))
+    log_ratio = clamped_log_ratio(logp, logp_behaviour, keep)
     ratio = torch.exp(log_ratio)
     loss = masked_mean(-ratio * advantages, keep, n_tokens if n_tokens is not None else m.sum())
     metrics = {"pg_loss": loss.detach(),
@@ -298,7 +303,7 @@ def m2po_harmful_loss(
     if clip is None:
         clip = m2_harmful_clip(logp, logp_behaviour, advantages, m, m2_threshold,
                                min_eps_low, min_eps_high, group)
-    log_ratio = torch.where(m, logp - logp_behaviour, torch.zeros_like(logp))
+    log_ratio = clamped_log_ratio(logp, logp_behaviour, m)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     if clip.active:

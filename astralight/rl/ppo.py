@@ -5,7 +5,10 @@ Per token, with ``r = exp(logp - logp_behaviour)`` and advantage ``A``:
 ``loss = sum(mask * loss_t) / n_tokens`` ("token-mean": every trained token weighs the same,
 whatever the length of its sample). The clip only ever binds on the two quadrants where the update
 would push the ratio further from 1 in the advantage's direction (A > 0 with r > 1 + eps_high,
-A < 0 with r < 1 - eps_low); there the token contributes a constant and no gradient.
+A < 0 with r < 1 - eps_low); there the token contributes a constant and no gradient. ``log r`` is
+clamped to ``+-LOG_RATIO_CLAMP`` before the exp (:func:`astralight.rl.kl.clamped_log_ratio`), so
+the loss and its gradient stay finite for any finite log-probs (a behaviour log-prob at
+``LOGPROB_FLOOR`` included).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from astralight.rl.kl import masked_mean, ratio_metrics
+from astralight.rl.kl import clamped_log_ratio, masked_mean, ratio_metrics
 
 
 def ppo_clip_loss(
@@ -36,7 +39,7 @@ def ppo_clip_loss(
     """
     m = mask.bool()
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    log_ratio = torch.where(m, logp - logp_behaviour, torch.zeros_like(logp))
+    log_ratio = clamped_log_ratio(logp, logp_behaviour, m)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)

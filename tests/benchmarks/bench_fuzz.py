@@ -2,23 +2,57 @@
 
     python tests/benchmarks/bench_fuzz.py --json [--requests 10000] [--seed 0]
 
-Starts ``python -m astralight.dataflow.service`` on 127.0.0.1 (with a bearer token, small body
-limits), prepares some state (a registered instance, a pushed task, a leased open task, a
-published weight version), then sends seeded, generated bad requests over every route, mixing
-the categories in :data:`CATEGORIES`: garbage bytes, malformed msgpack, wrong types, unknown
-fields, huge or inconsistent arrays, negative and out-of-range sizes, unknown model_ids, replayed
-pushes, out-of-order versions, pickle payloads / msgpack extension types / object arrays,
-oversized bodies, bad paths and methods, semantically bad samples and missing or wrong tokens.
+Starts ``python -m astralight.dataflow.service`` on 127.0.0.1 with small body limits and with
+``ASTRALIGHT_TOKEN`` next to the scoped tokens ``ASTRALIGHT_ROLLOUT_TOKEN``,
+``ASTRALIGHT_TRAINER_TOKEN`` and ``ASTRALIGHT_ADMIN_TOKEN`` (16+ characters each), prepares some
+state with ``ASTRALIGHT_TOKEN`` (two registered instances, each with its instance secret: the
+first holding a pushed and an open task, the second an open task; a published weight version),
+then sends seeded, generated bad requests over every route, each drawn from one category of
+:data:`CATEGORIES` (they share the request count):
+
+* input: ``garbage`` bytes, ``malformed_msgpack``, ``wrong_type``, ``unknown_field``,
+  ``huge_array`` (huge or inconsistent arrays), ``negative_size`` (negative and out-of-range
+  sizes), ``unknown_model``, ``replayed_push``, ``out_of_order_version``, ``pickle_or_ext``
+  (pickle payloads / msgpack extension types / object arrays), ``oversized`` bodies,
+  ``bad_path`` (bad paths and methods), ``bad_sample`` (semantically bad samples) and ``auth``
+  (missing or wrong tokens);
+* the defects of issue 18: weight file names too long in bytes or with control characters
+  (``weight_name``), samples that would never go stale (``never_stale``), log-probs below the
+  floor (``extreme_logprob``), versions beyond ``max_version_jump`` (``version_jump``), token ids
+  outside the vocabulary (``token_out_of_vocab``), samples longer than the engine's context
+  (``oversized_sample``, against the limits the fuzz instance registers) and sample metadata the
+  trainer would refuse (``bad_metadata``);
+* the access model of issue 18, each a well-formed request with one thing wrong, which must get
+  exactly one answer: ``scope`` (a rollout or trainer token, unbound or bound to this model_id,
+  on a route its scope does not grant: 403 ``authorization``), ``instance_secret``
+  (heartbeat, lease, deregister, return, drain or a new registration of one instance with no
+  secret, the other instance's, a made-up one or its own altered: 403 ``instance_secret``),
+  ``foreign_task`` (an instance pushing the task the other one holds: 409 ``task_id``),
+  ``origin`` (any route with an ``Origin`` header, with or without a token: 403 ``origin``)
+  and ``content_type`` (a registration, or another body or a weight upload, sent as text/plain,
+  a form, multipart, JSON or without a type: 415 ``content-type``). Not sent: ``bound_model``
+  (a trainer token bound to another model_id) needs a second model_id, and this service has
+  one (tests/unit/test_scopes.py covers it); ``host`` (a non-loopback ``Host``) is refused only
+  by a service without any token (tests/unit/test_browser_guards.py covers it).
+
+After the requests, ``killed_upload`` kills the service (``kill -9``) in the middle of a weight
+upload, restarts it on the same state and counts the temporary upload files left behind (each
+one an ``accepted_bad``).
 
 It prints ``requests``, ``status_5xx`` (must be 0), ``crashes`` (the process died or stopped
-answering ``/v1/info``: must be 0), ``accepted_bad`` (a bad request answered 2xx: must be 0; a
-replayed push must be answered ``duplicate`` with nothing accepted), requests per second and a
+answering ``/v1/info``: must be 0), ``accepted_bad`` (must be 0: a bad request answered 2xx --
+a replayed push must be answered ``duplicate`` with nothing accepted --, plus every entry of
+``state_changed``, the counters and instances of ``/v1/stats`` (:func:`state_of`) that differ
+after the requests), ``unexpected_status`` (an access request refused with another status or
+field than its own: reported, not part of the exit status), requests per second and a
 per-category breakdown; exit status 1 if any of the three is not 0.
 
 The generators are plain functions of a seeded :class:`random.Random` and a :class:`Context`,
 shared with ``tests/unit/test_route_fuzz.py`` (which drives them with hypothesis against the
-in-process app); :data:`ROUTES` lists every route with its generators, and that test checks the
-list against the app's routes so a new route cannot escape fuzzing.
+in-process app, with the same tokens and instances, and asserts the access categories' exact
+answers); :data:`ROUTES` lists every route with its generators (:data:`ACCESS_ROUTES` the access
+categories'), and that test checks the list against the app's routes so a new route cannot
+escape fuzzing.
 """
 
 from __future__ import annotations
@@ -43,10 +77,16 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from astralight.protocol import Sample, WeightManifest, encode
+from astralight.dataflow import auth
+from astralight.dataflow.auth import trainer_token
+from astralight.protocol import LOGPROB_FLOOR, MAX_VOCAB_SIZE, Sample, WeightManifest, encode
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 GHOST = "ghost-model"
+#: what the fuzz instance registers for its engine (``limits``): the valid samples stay inside
+LIMITS = {"vocab_size": 1000, "max_model_len": 64}
+#: the policy temperature the benchmark's service is configured with (``temperatures``)
+TEMPERATURE = 1.0
 
 
 @dataclass
@@ -58,6 +98,8 @@ class BadRequest:
     headers: dict = field(default_factory=dict)
     replay: bool = False  # a replayed push: 200 with duplicate=True and accepted=0 is right
     no_auth: bool = False  # the generator sets (or omits) Authorization itself
+    expect: int | None = None  # the one right answer's status (access categories), if any
+    expect_field: str | None = None  # ... and the field its JSON error names
 
 
 @dataclass
@@ -76,9 +118,25 @@ class Context:
     file_bytes: int
     max_body_bytes: int
     max_weight_file_bytes: int
+    max_version_jump: int = 1000
+    temperature: float | None = None  # the service's temperatures[model_id], if configured
+    # the access model (set when the service has scoped tokens, see :func:`prepare`)
+    rollout_token: str = ""
+    trainer_token: str = ""  # ASTRALIGHT_TRAINER_TOKEN itself (every model_id)
+    admin_token: str = ""
+    instance_secret: str = ""  # instance_id's, answered by its registration
+    other_instance: str = ""  # a second instance, with a secret and an open task of its own
+    other_secret: str = ""
+    other_task: str = ""
 
     def auth(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    @property
+    def scoped(self) -> bool:
+        """Whether the access categories that need scoped tokens and two instances can run."""
+        return bool(self.rollout_token and self.trainer_token and self.instance_secret
+                    and self.other_secret and self.other_task)
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -136,7 +194,8 @@ def as_push_many(rng: random.Random, req: BadRequest) -> BadRequest:
     if "instance_id" in body:
         many = {"instance_id": body["instance_id"], **many}
     return BadRequest(req.category, "POST", "/v1/push_many", pack({**env, "body": many}),
-                      dict(req.headers), replay=req.replay, no_auth=req.no_auth)
+                      dict(req.headers), replay=req.replay, no_auth=req.no_auth,
+                      expect=req.expect, expect_field=req.expect_field)
 
 
 def valid_group(ctx: Context, task_id: str | None = None) -> list[Sample]:
@@ -156,7 +215,7 @@ def manifest(ctx: Context, version: int, kind: str = "full", base: int | None = 
 #: msgpack map bodies: route -> {field: kind}; kinds drive the wrong-type mutations
 SCHEMAS: dict[str, dict[str, str]] = {
     "/v1/register": {"model_ids": "list_str", "capacity": "int", "instance_id": "str",
-                     "meta": "dict", "capacity_units": "num"},
+                     "meta": "dict", "capacity_units": "num", "limits": "dict"},
     "/v1/heartbeat": {"instance_id": "str", "in_flight": "int"},
     "/v1/return": {"instance_id": "str", "task_ids": "list_str", "failed": "bool"},
     "/v1/deregister": {"instance_id": "str"},
@@ -175,7 +234,8 @@ def base_body(ctx: Context, path: str) -> dict:
     """A valid-looking body of ``path`` that the generators make invalid in one place."""
     return {
         "/v1/register": {"model_ids": [ctx.model_id], "capacity": 1, "instance_id": ctx.instance_id,
-                         "meta": {"host": "fuzz"}, "capacity_units": 1.0},
+                         "meta": {"host": "fuzz"}, "capacity_units": 1.0,
+                         "limits": {ctx.model_id: dict(LIMITS)}},
         "/v1/heartbeat": {"instance_id": ctx.instance_id, "in_flight": 0},
         "/v1/return": {"instance_id": ctx.instance_id, "task_ids": ["no-such-task"],
                        "failed": False},
@@ -643,6 +703,254 @@ def gen_auth(rng: random.Random, ctx: Context) -> BadRequest:
     return BadRequest("auth", method, path, body, headers, no_auth=True)
 
 
+# ----------------------------------------------------------------------------- issue 18 drills
+
+
+def _long_name(rng: random.Random) -> str:
+    """A weight file name too long for its temporary upload name (more than 217 UTF-8 bytes:
+    218..255 ASCII characters, or more than 255 bytes in at most 256 characters)."""
+    return rng.choice([lambda: "a" * rng.randint(218, 255), lambda: "é" * rng.randint(128, 200),
+                       lambda: "😀" * rng.randint(55, 64),
+                       lambda: "w" * 200 + "é" * rng.randint(9, 28)])()
+
+
+def gen_weight_name(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 1: names the file system would refuse (ENAMETOOLONG was a 500) or that hold
+    control characters, on upload and in a manifest."""
+    from urllib.parse import quote
+
+    control = rng.choice(["a\nb", "a\rb", "\x01x", "tab\tname", "del\x7f", "c1\x85y", "x\x1b[2J"])
+    name = _long_name(rng) if rng.random() < 0.6 else control
+    if rng.random() < 0.6:
+        return BadRequest("weight_name", "PUT",
+                          f"/v1/weights/{ctx.model_id}/{ctx.version + 1}/{quote(name, safe='')}",
+                          b"weights", {"Content-Type": "application/octet-stream"})
+    return BadRequest("weight_name", "POST", "/v1/publish",
+                      encode(manifest(ctx, ctx.version + 1, name=name)), dict(MSGPACK))
+
+
+def gen_never_stale(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 2: a version newer than the published one on tokens outside the loss mask, or
+    no loss-masked token at all (both once accepted and then never stale)."""
+    group = valid_group(ctx)
+    s = rng.choice(group)
+    how = rng.randrange(3)
+    if how == 0:  # the drill's sample: nothing trained, versions far ahead
+        s.loss_mask[:] = 0
+        s.versions[:] = rng.choice([10 ** 6, ctx.version + 1, 2 ** 31 - 1])
+    elif how == 1:  # a future version on a prompt token only
+        s.versions[rng.randrange(3)] = ctx.version + rng.randint(1, 10 ** 6)
+    else:  # no loss-masked token, valid versions
+        s.loss_mask[:] = 0
+    return BadRequest("never_stale", "POST", "/v1/push", pack(push_env(ctx, group)), dict(MSGPACK))
+
+
+def gen_extreme_logprob(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 3: behaviour log-probs below LOGPROB_FLOOR (-3e38 made the PPO loss inf)."""
+    group = valid_group(ctx)
+    s = rng.choice(group)
+    s.logprobs[rng.randrange(3, s.num_tokens)] = rng.choice(
+        [-3e38, -3.4e38, -1e30, LOGPROB_FLOOR * 1.001, LOGPROB_FLOOR - 1.0, -1e4])
+    return BadRequest("extreme_logprob", "POST", "/v1/push", pack(push_env(ctx, group)),
+                      dict(MSGPACK))
+
+
+def gen_version_jump(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 4: a version more than max_version_jump ahead (2^53-1 locked the policy)."""
+    v = rng.choice([2 ** 53 - 1, 2 ** 53 - 2, ctx.version + ctx.max_version_jump + 1,
+                    ctx.version + ctx.max_version_jump + rng.randint(2, 10 ** 6)])
+    if rng.random() < 0.4:  # and no file can be stored for such a version either
+        return BadRequest("version_jump", "PUT", f"/v1/weights/{ctx.model_id}/{v}/{ctx.file_name}",
+                          b"weights", {"Content-Type": "application/octet-stream"})
+    return BadRequest("version_jump", "POST", "/v1/publish", encode(manifest(ctx, v)),
+                      dict(MSGPACK))
+
+
+def gen_token_out_of_vocab(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 6: ids at or above the registered vocabulary (2^31-1 crashed an embedding)."""
+    group = valid_group(ctx)
+    s = rng.choice(group)
+    s.token_ids[rng.randrange(s.num_tokens)] = rng.choice(
+        [2 ** 31 - 1, MAX_VOCAB_SIZE, LIMITS["vocab_size"], LIMITS["vocab_size"] + 1,
+         rng.randint(LIMITS["vocab_size"], 2 ** 31 - 1)])
+    return BadRequest("token_out_of_vocab", "POST", "/v1/push", pack(push_env(ctx, group)),
+                      dict(MSGPACK))
+
+
+def gen_oversized_sample(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 7: a consistent sample longer than the registered max_model_len."""
+    group = valid_group(ctx)
+    i = rng.randrange(len(group))
+    T = LIMITS["max_model_len"] + rng.choice([1, 2, 100, 4000])
+    group[i] = sample(ctx, ctx.open_task, group[i].sample_index, T=T)
+    group[i].token_ids %= LIMITS["vocab_size"]
+    return BadRequest("oversized_sample", "POST", "/v1/push", pack(push_env(ctx, group)),
+                      dict(MSGPACK))
+
+
+def gen_bad_metadata(rng: random.Random, ctx: Context) -> BadRequest:
+    """Defect 8: metadata the trainer (or the service's own counters) would fail on."""
+    group = valid_group(ctx)
+    s = rng.choice(group)
+    choices = [{"temperature": "hot"}, {"temperature": float("nan")},
+               {"temperature": float("inf")}, {"temperature": -1.0}, {"temperature": 0},
+               {"temperature": True}, {"attempt": "first"}, {"attempt": -1},
+               {"attempt": 2 ** 40}, {"tool_calls": 2 ** 64 - 1},
+               {"tool_calls": 3, "tool_errors": {"timeout": 2 ** 63}}, {"turns": 2 ** 62}]
+    if ctx.temperature is not None:  # the drill's case needs the policy's temperature
+        choices += [{"temperature": ctx.temperature * f} for f in (0.5, 0.999, 1.01, 2.0)]
+    s.metadata = dict(rng.choice(choices))
+    return BadRequest("bad_metadata", "POST", "/v1/push", pack(push_env(ctx, group)),
+                      dict(MSGPACK))
+
+
+# ----------------------------------------------------------------------------- issue 18: access
+
+
+#: categories that need the service's scoped tokens and a second instance (:attr:`Context.scoped`)
+SCOPED_CATEGORIES = ("scope", "instance_secret", "foreign_task")
+#: what a web page sends without a CORS preflight, and other bodies that are not msgpack
+BROWSER_TYPES = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                 "multipart/form-data; boundary=x")
+ORIGINS = ("http://evil.example", "null", "http://127.0.0.1:8400", "http://localhost",
+           "https://rebound.evil.example", "file://", "chrome-extension://abcdef")
+
+
+def _bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _secret(secret: str | None) -> dict:
+    return {auth.INSTANCE_SECRET_HEADER: secret} if secret else {}
+
+
+def _route_request(rng: random.Random, ctx: Context,
+                   route: tuple[str, str]) -> tuple[str, str, bytes | None, dict]:
+    """``(method, path, body, headers)``: a well-formed request of ``route`` aimed at the fuzz
+    model and instance, which the access categories send with one thing wrong (so an answer
+    2xx means the guard let it through). A registration names a new instance (accepted, it
+    would show in ``/v1/stats``), an upload a new file of the next version."""
+    method, template = route
+    new = f"access-{rng.randrange(10 ** 6)}"
+    put = method == "PUT"
+    path = (template.replace("{model_id}", ctx.model_id)
+            .replace("{instance_id}", ctx.instance_id)
+            .replace("{version}", str(ctx.version + 1 if put else ctx.version))
+            .replace("{name}", f"{new}.bin" if put else ctx.file_name))
+    if put:
+        return method, path, b"weights", {"Content-Type": "application/octet-stream"}
+    if method == "POST" and template in BODY_ROUTES:
+        body = base_body(ctx, template)
+        if template == "/v1/register":
+            body["instance_id"] = new
+        return method, path, pack(envelope(body)), dict(MSGPACK)
+    return method, path, None, {}
+
+
+def gen_scope(rng: random.Random, ctx: Context) -> BadRequest:
+    """A rollout or trainer token (unbound, or bound to this model_id) on a route its scope
+    does not grant (``auth.ROUTES``), with the instance's own secret: 403 naming
+    ``authorization``."""
+    tokens = [(auth.ROLLOUT, ctx.rollout_token), (auth.TRAINER, ctx.trainer_token),
+              (auth.TRAINER, trainer_token(ctx.trainer_token, ctx.model_id))]
+    choices = []
+    for route in sorted(ROUTES):
+        rule = auth.ROUTES.get(route)
+        for scope, token in tokens:
+            if rule is None or scope not in rule.scopes:
+                choices.append((route, token))
+    route, token = rng.choice(choices)
+    method, path, body, headers = _route_request(rng, ctx, route)
+    headers.update(_bearer(token), **_secret(ctx.instance_secret))
+    return BadRequest("scope", method, path, body, headers, no_auth=True, expect=403,
+                      expect_field="authorization")
+
+
+def gen_instance_secret(rng: random.Random, ctx: Context) -> BadRequest:
+    """The rollout scope acting as one of the two instances without its secret (none, the other
+    instance's, a made-up one, its own with one character changed): heartbeat, lease,
+    deregister, return, drain and registering it again while it is live -- 403 naming
+    ``instance_secret``."""
+    a = (ctx.instance_id, ctx.instance_secret, ctx.open_task)
+    b = (ctx.other_instance, ctx.other_secret, ctx.other_task)
+    (iid, own, task), other = (a, b) if rng.random() < 0.5 else (b, a)
+    changed = own[:-1] + ("A" if own[-1] != "A" else "B")
+    secret = rng.choice([None, other[1], "x" * 43, changed])
+    how = rng.choice(["heartbeat", "lease", "deregister", "return", "drain", "register"])
+    if how == "drain":
+        method, path, body = "POST", f"/v1/instances/{iid}/drain", None
+    else:
+        path = f"/v1/{how}"
+        body = pack(envelope({
+            "heartbeat": {"instance_id": iid, "in_flight": 0},
+            "lease": {"instance_id": iid, "max_tasks": 1},
+            "deregister": {"instance_id": iid},
+            "return": {"instance_id": iid, "task_ids": [task], "failed": False},
+            "register": {"model_ids": [ctx.model_id], "capacity": 1, "instance_id": iid,
+                         "limits": {ctx.model_id: dict(LIMITS)}},
+        }[how]))
+        method = "POST"
+    headers = {**(MSGPACK if body is not None else {}), **_bearer(ctx.rollout_token),
+               **_secret(secret)}
+    return BadRequest("instance_secret", method, path, body, headers, no_auth=True, expect=403,
+                      expect_field="instance_secret")
+
+
+def gen_foreign_task(rng: random.Random, ctx: Context) -> BadRequest:
+    """An instance (with its own secret) pushing valid samples of the task the other instance
+    holds: 409 naming ``task_id`` (as push_many too: ``items[i].task_id``)."""
+    if rng.random() < 0.5:
+        iid, secret, task = ctx.instance_id, ctx.instance_secret, ctx.other_task
+    else:
+        iid, secret, task = ctx.other_instance, ctx.other_secret, ctx.open_task
+    body = encode({"instance_id": iid, "task_id": task, "samples": valid_group(ctx, task)})
+    headers = {**MSGPACK, **_bearer(ctx.rollout_token), **_secret(secret)}
+    return BadRequest("foreign_task", "POST", "/v1/push", body, headers, no_auth=True,
+                      expect=409, expect_field="task_id")
+
+
+def gen_origin(rng: random.Random, ctx: Context) -> BadRequest:
+    """Any route, a well-formed request with an ``Origin`` header (with the service's token, a
+    scoped token and the instance's secret, or no token at all): 403 naming ``origin``."""
+    route = rng.choice(sorted(ROUTES))
+    method, path, body, headers = _route_request(rng, ctx, route)
+    headers["Origin"] = rng.choice(ORIGINS)
+    who = rng.randrange(3)
+    if who == 1:
+        headers.update(_bearer(rng.choice([ctx.rollout_token, ctx.admin_token]) or ctx.token),
+                       **_secret(ctx.instance_secret))
+    return BadRequest("origin", method, path, body, headers, no_auth=who != 0, expect=403,
+                      expect_field="origin")
+
+
+def gen_content_type(rng: random.Random, ctx: Context) -> BadRequest:
+    """A valid body declared as text, a form or multipart (what a page sends without a CORS
+    preflight), as JSON, or with no type: mostly a registration (the drill's), else another
+    body route or a weight upload. 415 naming ``content-type``."""
+    if rng.random() < 0.6:
+        route = ("POST", "/v1/register")
+    else:
+        route = rng.choice([("POST", p) for p in BODY_ROUTES if p != "/v1/register"]
+                           + [("PUT", "/v1/weights/{model_id}/{version}/{name}")])
+    method, path, data, _ = _route_request(rng, ctx, route)
+    ctype = rng.choice(BROWSER_TYPES + ("application/json", None))
+    if ctype == "application/x-www-form-urlencoded" and rng.random() < 0.5:
+        data = f"model_ids={ctx.model_id}&capacity=1".encode()
+    elif ctype is not None and ctype.startswith("multipart/"):
+        data = (b'--x\r\nContent-Disposition: form-data; name="body"\r\n\r\n' + data
+                + b"\r\n--x--\r\n")
+    elif ctype == "application/json" and route[1] == "/v1/register":
+        data = json.dumps({"model_ids": [ctx.model_id], "capacity": 1}).encode()
+    headers = {"Content-Type": ctype} if ctype else {}
+    no_auth = False
+    if route[1] == "/v1/register" and ctx.rollout_token and rng.random() < 0.5:
+        headers.update(_bearer(ctx.rollout_token))  # the scope that may register
+        no_auth = True
+    body: Any = _Chunks(data, 1) if rng.random() < 0.2 else data  # chunked: no Content-Length
+    return BadRequest("content_type", method, path, body, headers, no_auth=no_auth, expect=415,
+                      expect_field="content-type")
+
+
 CATEGORIES: dict[str, Callable[[random.Random, Context], BadRequest]] = {
     "garbage": gen_garbage,
     "malformed_msgpack": gen_malformed,
@@ -658,7 +966,22 @@ CATEGORIES: dict[str, Callable[[random.Random, Context], BadRequest]] = {
     "bad_path": gen_bad_path,
     "bad_sample": gen_bad_sample,
     "auth": gen_auth,
+    "weight_name": gen_weight_name,
+    "never_stale": gen_never_stale,
+    "extreme_logprob": gen_extreme_logprob,
+    "version_jump": gen_version_jump,
+    "token_out_of_vocab": gen_token_out_of_vocab,
+    "oversized_sample": gen_oversized_sample,
+    "bad_metadata": gen_bad_metadata,
+    "scope": gen_scope,
+    "instance_secret": gen_instance_secret,
+    "foreign_task": gen_foreign_task,
+    "origin": gen_origin,
+    "content_type": gen_content_type,
 }
+#: the bad-sample drills of issue 18 (all pushes: also sent as push_many)
+SAMPLE_DRILLS = ("never_stale", "extreme_logprob", "token_out_of_vocab", "oversized_sample",
+                 "bad_metadata")
 
 #: every route of the app -> the categories that send bad requests to it (checked against
 #: ``app.routes`` by tests/unit/test_route_fuzz.py: add a new route here with its generators)
@@ -682,11 +1005,12 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
                             "negative_size", "pickle_or_ext", "oversized", "auth"),
     ("POST", "/v1/push"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                            "huge_array", "negative_size", "unknown_model", "replayed_push",
-                           "out_of_order_version", "pickle_or_ext", "oversized", "bad_sample"),
+                           "out_of_order_version", "pickle_or_ext", "oversized", "bad_sample",
+                           *SAMPLE_DRILLS),
     ("POST", "/v1/push_many"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                                 "huge_array", "negative_size", "unknown_model", "replayed_push",
                                 "out_of_order_version", "pickle_or_ext", "oversized",
-                                "bad_sample"),
+                                "bad_sample", *SAMPLE_DRILLS),
     ("POST", "/v1/pull"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
                            "negative_size", "unknown_model", "pickle_or_ext", "oversized"),
     ("POST", "/v1/ack"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
@@ -699,23 +1023,48 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/version/{model_id}"): ("unknown_model", "auth"),
     ("PUT", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
                                                          "out_of_order_version", "oversized",
-                                                         "bad_path", "auth"),
+                                                         "bad_path", "auth", "weight_name",
+                                                         "version_jump"),
     ("GET", "/v1/weights/{model_id}/{version}/{name}"): ("unknown_model", "negative_size",
                                                          "bad_path", "auth"),
     ("POST", "/v1/publish"): ("garbage", "malformed_msgpack", "wrong_type", "negative_size",
                               "unknown_model", "out_of_order_version", "pickle_or_ext",
-                              "oversized"),
+                              "oversized", "weight_name", "version_jump"),
     ("GET", "/v1/manifest/{model_id}/latest"): ("unknown_model", "auth"),
     ("GET", "/v1/manifest/{model_id}/{version}"): ("unknown_model", "negative_size", "bad_path"),
 }
+_PUT = ("PUT", "/v1/weights/{model_id}/{version}/{name}")
+#: the access categories of issue 18 -> the routes they send to (added to :data:`ROUTES`):
+#: ``origin`` every route; ``scope`` every route that the rollout or the trainer scope may not
+#: call (``auth.ROUTES``); ``content_type`` every route with a body
+ACCESS_ROUTES: dict[str, tuple[tuple[str, str], ...]] = {
+    "origin": tuple(ROUTES),
+    "scope": tuple(r for r in ROUTES if r not in auth.ROUTES
+                   or not {auth.ROLLOUT, auth.TRAINER} <= auth.ROUTES[r].scopes),
+    "content_type": tuple(("POST", p) for p in BODY_ROUTES) + (_PUT,),
+    "instance_secret": (("POST", "/v1/register"), ("POST", "/v1/heartbeat"),
+                        ("POST", "/v1/lease"), ("POST", "/v1/deregister"),
+                        ("POST", "/v1/return"), ("POST", "/v1/instances/{instance_id}/drain")),
+    "foreign_task": (("POST", "/v1/push"), ("POST", "/v1/push_many")),
+}
+for _category, _routes in ACCESS_ROUTES.items():
+    for _route in _routes:
+        ROUTES[_route] = ROUTES[_route] + (_category,)
 
 
 #: share of the push-specific bad requests sent as push_many instead (:func:`as_push_many`)
 PUSH_MANY_SHARE = 0.35
 
 
+def available(ctx: Context) -> list[str]:
+    """The categories ``ctx`` can send: ``auth`` needs a token, :data:`SCOPED_CATEGORIES` the
+    scoped tokens and the second instance."""
+    return sorted(c for c in CATEGORIES if (ctx.token or c != "auth")
+                  and (ctx.scoped or c not in SCOPED_CATEGORIES))
+
+
 def generate(rng: random.Random, ctx: Context, category: str | None = None) -> BadRequest:
-    name = category or rng.choice(sorted(c for c in CATEGORIES if ctx.token or c != "auth"))
+    name = category or rng.choice(available(ctx))
     req = CATEGORIES[name](rng, ctx)
     if req.path == "/v1/push" and isinstance(req.body, bytes) and rng.random() < PUSH_MANY_SHARE:
         req = as_push_many(rng, req)
@@ -726,11 +1075,16 @@ def generate(rng: random.Random, ctx: Context, category: str | None = None) -> B
 
 
 def prepare(http, token: str = "", model_id: str = "policy", group_size: int = 2,
-            max_body_bytes: int = 64 * 1024, max_weight_file_bytes: int = 256 * 1024) -> Context:
+            max_body_bytes: int = 64 * 1024, max_weight_file_bytes: int = 256 * 1024,
+            scoped: dict[str, str] | None = None) -> Context:
     """Set up the state the generators aim at with valid requests (``http``: an httpx.Client or
-    a FastAPI TestClient on the service)."""
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    hdr = {**MSGPACK, **auth}
+    a FastAPI TestClient on the service): two registered instances (``fuzz-raas`` holding a
+    pushed and an open task, ``fuzz-raas-b`` an open task, each with its instance secret), a
+    published weight version. ``scoped``: the service's scoped tokens (``{"rollout": ...,
+    "trainer": ..., "admin": ...}``, :data:`astralight.dataflow.auth.SCOPE_VARS`), for the
+    access categories; ``token`` (every scope) sets the state up."""
+    bearer = _bearer(token)
+    hdr = {**MSGPACK, **bearer}
 
     def call(method, path, body=None, content=None):
         r = http.request(method, path, content=encode(body) if body is not None else content,
@@ -738,14 +1092,30 @@ def prepare(http, token: str = "", model_id: str = "policy", group_size: int = 2
         assert r.status_code == 200, (path, r.status_code, r.text)
         return msgpack.unpackb(r.content, raw=False)["body"] if r.content[:1] != b"{" else r.json()
 
-    iid = call("POST", "/v1/register", {"model_ids": [model_id], "capacity": 4,
-                                        "instance_id": "fuzz-raas"})["instance_id"]
-    tasks = call("POST", "/v1/lease", {"instance_id": iid, "max_tasks": 2})["tasks"]
-    assert len(tasks) == 2, tasks
+    def register(instance_id: str, leases: int) -> tuple[str, str, list]:
+        reply = call("POST", "/v1/register", {"model_ids": [model_id], "capacity": 4,
+                                              "instance_id": instance_id,
+                                              "limits": {model_id: dict(LIMITS)}})
+        tasks = call("POST", "/v1/lease", {"instance_id": reply["instance_id"],
+                                           "max_tasks": leases})["tasks"]
+        assert len(tasks) == leases, tasks
+        return reply["instance_id"], reply.get("instance_secret", ""), tasks
+
+    iid, secret, tasks = register("fuzz-raas", 2)
+    other, other_secret, [other_task] = register("fuzz-raas-b", 1)
+    scoped = scoped or {}
     ctx = Context(token=token, model_id=model_id, instance_id=iid, pushed_task=tasks[0]["task_id"],
                   pushed_body=b"", open_task=tasks[1]["task_id"], group_size=group_size,
                   version=0, file_name="model.safetensors", file_bytes=0,
-                  max_body_bytes=max_body_bytes, max_weight_file_bytes=max_weight_file_bytes)
+                  max_body_bytes=max_body_bytes, max_weight_file_bytes=max_weight_file_bytes,
+                  rollout_token=scoped.get(auth.ROLLOUT, ""),
+                  trainer_token=scoped.get(auth.TRAINER, ""),
+                  admin_token=scoped.get(auth.ADMIN, ""), instance_secret=secret,
+                  other_instance=other, other_secret=other_secret,
+                  other_task=other_task["task_id"])
+    info = http.get("/v1/info", headers=bearer).json()
+    ctx.max_version_jump = int(info.get("max_version_jump", ctx.max_version_jump))
+    ctx.temperature = (info.get("temperatures") or {}).get(model_id)
     push = {"instance_id": iid, "task_id": ctx.pushed_task,
             "samples": valid_group(ctx, ctx.pushed_task)}
     ctx.pushed_body = encode(push)
@@ -764,12 +1134,28 @@ class Outcome:
     status: int | None  # None: no answer (timeout or connection error)
     accepted_bad: bool
     detail: str = ""
+    unexpected: bool = False  # refused, but not with the request's ``expect`` status and field
+
+
+def refused_field(r) -> str | None:
+    """The ``field`` of a JSON error answer (None if it is not one)."""
+    try:
+        body = r.json()
+    except Exception:
+        return None
+    return body.get("field") if isinstance(body, dict) else None
 
 
 def send(http, req: BadRequest, ctx: Context, timeout: float | None = 30.0) -> Outcome:
     headers = dict(req.headers)
     if not req.no_auth:
         headers.update(ctx.auth())
+    if (req.category != "content_type" and req.body is not None
+            and not any(k.lower() == "content-type" for k in headers)):
+        # the declared type every client sends, so that a category reaches the check it is
+        # written for instead of the content-type guard's 415 (that guard has its own category)
+        headers["Content-Type"] = ("application/octet-stream" if req.method == "PUT"
+                                   else "application/msgpack")
     body = req.body
     if isinstance(body, _Chunks):
         body = iter(body)
@@ -792,19 +1178,59 @@ def send(http, req: BadRequest, ctx: Context, timeout: float | None = 30.0) -> O
             bad = not all(a.get("duplicate") is True and a.get("accepted") == 0 for a in replies)
         except Exception:
             bad = True
-    return Outcome(r.status_code, bad, r.text[:300] if (bad or r.status_code >= 500) else "")
+    unexpected = False
+    if req.expect is not None and not bad:
+        got = refused_field(r)
+        unexpected = r.status_code != req.expect or not (
+            req.expect_field is None or got == req.expect_field
+            or str(got).endswith("." + req.expect_field))  # push_many: items[0].task_id
+    detail = r.text[:300] if (bad or unexpected or r.status_code >= 500) else ""
+    if unexpected:
+        detail = f"expected {req.expect} {req.expect_field}: {detail}"
+    return Outcome(r.status_code, bad, detail, unexpected)
+
+
+#: what no refused request may change (``/v1/stats``): the model's counters ...
+STATE_COUNTERS = ("samples_accepted", "tasks_issued", "tasks_returned", "batches_served",
+                  "batches_acked", "batches_extended", "batches_rolled_back", "current_version",
+                  "weight_versions_stored")
+#: ... and each registered instance's state and task counts (a new instance shows too)
+INSTANCE_FIELDS = ("state", "tasks_leased", "tasks_done", "tasks_returned", "samples_pushed")
+
+
+def state_of(stats: dict, model_id: str) -> dict:
+    """The part of a ``/v1/stats`` answer that bad requests must leave as it is."""
+    model = stats["models"][model_id]
+    out = {k: model.get(k) for k in STATE_COUNTERS}
+    for inst in stats["instances"]:
+        out[f"instances.{inst['instance_id']}"] = {k: inst.get(k) for k in INSTANCE_FIELDS}
+    return out
+
+
+def state_changes(before: dict, after: dict) -> dict:
+    """``{key: [before, after]}`` for every key of :func:`state_of` that changed."""
+    return {k: [before.get(k), after.get(k)] for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k)}
 
 
 # ----------------------------------------------------------------------------- the benchmark
 
 
-def start_service(tmp: Path, token: str, max_body_bytes: int, max_weight_file_bytes: int):
+def start_service(tmp: Path, token: str, max_body_bytes: int, max_weight_file_bytes: int,
+                  scoped: dict[str, str] | None = None):
+    """The service on 127.0.0.1 with ``ASTRALIGHT_TOKEN`` = ``token`` and, from ``scoped``, the
+    scoped tokens ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``..._TRAINER_...`` / ``..._ADMIN_...``."""
     cfg = tmp / "dataflow.yaml"
     cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "state_dir": str(tmp / "state"),
                                "group_size": 2, "log_level": "ERROR", "lease_seconds": 3600,
                                "max_body_bytes": max_body_bytes,
-                               "max_weight_file_bytes": max_weight_file_bytes}))
-    env = {**os.environ, "ASTRALIGHT_TOKEN": token}
+                               "max_weight_file_bytes": max_weight_file_bytes,
+                               "temperatures": {"policy": TEMPERATURE}}))
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("ASTRALIGHT_") and k.endswith(("_TOKEN", "_TOKEN_FILE")))}
+    env["ASTRALIGHT_TOKEN"] = token
+    for scope, value in (scoped or {}).items():
+        env[auth.SCOPE_VARS[scope]] = value
     log = open(tmp / "dataflow.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "astralight.dataflow.service", "--config",
                              str(cfg)], stdout=subprocess.PIPE, stderr=log, env=env)
@@ -824,22 +1250,70 @@ def healthy(http, ctx: Context, proc) -> bool:
         return False
 
 
+def killed_upload(tmp: Path, token: str, proc, url: str, ctx: Context, max_body: int,
+                  max_file: int, scoped: dict[str, str] | None = None
+                  ) -> tuple[Counter, Any, str]:
+    """Defect 5: ``kill -9`` the service while a weight upload is streaming, start it again on
+    the same state and count the temporary upload files (``.{name}.{uuid}.tmp``) that stay:
+    each one is an ``accepted_bad`` (they used to stay for good). Returns the counts and the new
+    service process and URL."""
+    import threading
+
+    import httpx
+
+    weights = tmp / "state" / "weights"
+    release = threading.Event()
+
+    def body():
+        yield b"x" * 65536
+        release.wait(30)  # the service is killed meanwhile
+        yield b"y"
+
+    def upload():
+        try:
+            with httpx.Client(base_url=url, timeout=60.0) as c:
+                c.put(f"/v1/weights/{ctx.model_id}/{ctx.version + 1}/killed.bin", content=body(),
+                      headers={**ctx.auth(), "Content-Type": "application/octet-stream"})
+        except Exception:  # the service died under it: expected
+            pass
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    left: list[Path] = []
+    deadline = time.time() + 20
+    while time.time() < deadline and not left:
+        left = list(weights.glob("*/*/.*.tmp"))
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    release.set()
+    thread.join(10)
+    proc, url = start_service(tmp, token, max_body, max_file, scoped)
+    after = list(weights.glob("*/*/.*.tmp"))
+    return (Counter(requests=1, temp_files_left_by_kill=len(left),
+                    temp_files_after_restart=len(after)), proc, url)
+
+
 def run(requests: int, seed: int, check_every: int = 250) -> dict:
     import httpx
 
-    token = "fuzz-" + hashlib.sha256(str(seed).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(str(seed).encode()).hexdigest()
+    token = "fuzz-" + digest[:24]
+    scoped = {scope: f"fuzz-{scope}-{digest[24 + 8 * i:32 + 8 * i]}"  # 16+ characters
+              for i, scope in enumerate(auth.SCOPES)}
     max_body, max_file = 64 * 1024, 256 * 1024
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_service(Path(tmp), token, max_body, max_file)
+        proc, url = start_service(Path(tmp), token, max_body, max_file, scoped)
         try:
             with httpx.Client(base_url=url, timeout=30.0) as http:
                 ctx = prepare(http, token=token, max_body_bytes=max_body,
-                              max_weight_file_bytes=max_file)
-                before = http.get("/v1/stats", headers=ctx.auth()).json()["models"]["policy"]
+                              max_weight_file_bytes=max_file, scoped=scoped)
+                stats_before = http.get("/v1/stats", headers=ctx.auth()).json()
+                before = stats_before["models"]["policy"]
                 rng = random.Random(seed)
                 per_cat: dict[str, Counter] = defaultdict(Counter)
                 examples: list[dict] = []
-                status_5xx = accepted_bad = no_answer = crashes = 0
+                status_5xx = accepted_bad = no_answer = crashes = unexpected = 0
                 t0 = time.perf_counter()
                 sent = 0
                 for sent in range(1, requests + 1):
@@ -854,8 +1328,11 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
                         status_5xx += 1
                     if out.accepted_bad:
                         accepted_bad += 1
-                    if (out.status is None or out.status >= 500 or out.accepted_bad) and \
-                            len(examples) < 10:
+                    if out.unexpected:
+                        unexpected += 1
+                        c["unexpected_status"] += 1
+                    if (out.status is None or out.status >= 500 or out.accepted_bad
+                            or out.unexpected) and len(examples) < 10:
                         examples.append({"category": req.category, "method": req.method,
                                          "path": req.path[:120], "status": out.status,
                                          "detail": out.detail})
@@ -869,6 +1346,16 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
                 after = (http.get("/v1/stats", headers=ctx.auth()).json() if alive else {})
                 clients = after.get("clients", {})
                 model_after = after.get("models", {}).get("policy", {})
+                changed = (state_changes(state_of(stats_before, ctx.model_id),
+                                         state_of(after, ctx.model_id)) if alive else {})
+                accepted_bad += len(changed)  # something a refused request did anyway
+            if alive:
+                counts, proc, url = killed_upload(Path(tmp), token, proc, url, ctx, max_body,
+                                                  max_file, scoped)
+                per_cat["killed_upload"] = counts
+                accepted_bad += counts["temp_files_after_restart"]
+                with httpx.Client(base_url=url, timeout=30.0) as http:
+                    crashes += 0 if healthy(http, ctx, proc) else 1
         finally:
             proc.terminate()
             try:
@@ -878,6 +1365,7 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
     return {
         "requests": sent, "status_5xx": status_5xx, "crashes": crashes,
         "accepted_bad": accepted_bad, "no_answer": no_answer,
+        "unexpected_status": unexpected, "state_changed": changed,
         "requests_per_s": round(sent / elapsed, 1) if elapsed > 0 else None,
         "elapsed_s": round(elapsed, 2), "seed": seed,
         "samples_accepted_during_fuzz": (model_after.get("samples_accepted", 0)
@@ -900,7 +1388,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for key in ("requests", "status_5xx", "crashes", "accepted_bad", "requests_per_s"):
+        for key in ("requests", "status_5xx", "crashes", "accepted_bad", "unexpected_status",
+                    "state_changed", "requests_per_s"):
             print(f"{key}: {result[key]}")
         for cat, counts in result["categories"].items():
             print(f"  {cat}: {counts}")

@@ -141,11 +141,13 @@ def test_check_bind_rules(caplog):
         with pytest.raises(ValueError, match="ASTRALIGHT_TOKEN"):
             check_bind(host, "")
         check_bind(host, TOKEN, tls=True)  # a token makes it acceptable
+    with pytest.raises(ValueError, match="ASTRALIGHT_TOKEN: the token is only 5 bytes"):
+        check_bind("0.0.0.0", "short", tls=False)  # refused on a public bind, not only warned
     with caplog.at_level(logging.WARNING, logger="astralight.dataflow"):
         check_bind("0.0.0.0", None, allow_insecure_public_bind=True)
-        check_bind("0.0.0.0", "short", tls=False)
+        check_bind("0.0.0.0", TOKEN, tls=False)
     text = caplog.text
-    assert "WITHOUT a bearer token" in text and "only 5 characters" in text
+    assert "WITHOUT a bearer token" in text
     assert "clear text" in text
 
 
@@ -303,7 +305,7 @@ def test_pickle_extension_and_oversized_payloads_get_a_4xx(tmp_path, services):
         assert len(big) > 64 * 1024
         assert http.post("/v1/push", content=big, headers=auth).status_code == 413
         # weight uploads: declared too big, and streamed (chunked) too big
-        put = {"Authorization": f"Bearer {TOKEN}"}
+        put = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"}
         r = http.put("/v1/weights/policy/1/a.bin", content=bytes(128 * 1024 + 1), headers=put)
         assert r.status_code == 413 and "max_weight_file_bytes" in r.json()["error"]
         r = http.put("/v1/weights/policy/1/b.bin", headers=put,

@@ -82,6 +82,7 @@ class FakeDataflow(FakeStore):
         self.pushed = {}
         self.registrations = 0
         self.register_calls = []  # (instance_id, capacity_units)
+        self.registered_limits = None
         self.forget_instance = False
         self.leased = []  # every task id ever leased, in order
         self.returned = []  # (task_id, failed)
@@ -93,9 +94,11 @@ class FakeDataflow(FakeStore):
         self.push_log = []  # every task id pushed, in order
         self.on_push = None  # called after every push, accepted or not (tests hook stops here)
 
-    def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0):
+    def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0,
+                 limits=None):
         self.registrations += 1
         self.register_calls.append((instance_id, capacity_units))
+        self.registered_limits = limits  # the engines' limits of the last registration
         return {"instance_id": instance_id or "i0", "lease_seconds": 30.0}
 
     def heartbeat(self, instance_id, in_flight=None, stats=None):

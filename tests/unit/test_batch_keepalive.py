@@ -150,7 +150,7 @@ def test_the_route_and_the_pull_header(tmp_path):
                                     batch_ack_timeout_s=TIMEOUT), token="")
     core = app.state.dataflow
     hdr = {"Content-Type": "application/msgpack"}
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # no token: a loopback Host
         iid = core.register(["policy"], 4, "raas-a", {})["instance_id"]
         task = core.lease(iid, 1)[0]
         core.push(iid, task.task_id, samples(task))

@@ -18,7 +18,8 @@ def test_unexpected_exception_is_a_500_json_and_the_app_keeps_serving(tmp_path, 
         raise RuntimeError("disk on fire")
 
     app.state.dataflow.stats = boom
-    with TestClient(app, raise_server_exceptions=False) as client:
+    # (no token: the app answers loopback Host names only, so not TestClient's "testserver")
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         r = client.get("/v1/stats")
         assert r.status_code == 500 and "disk on fire" in r.json()["error"]
         assert client.get("/v1/info").status_code == 200

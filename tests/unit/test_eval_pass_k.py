@@ -179,7 +179,7 @@ def test_service_issues_n_samples_and_serves_every_pass_at_k(tmp_path):
                                           "init_args": {}},
                                "every": 1, "k": 2, "n": 4, "pass_k": [1, 4]})
     app = create_app(cfg, token="")
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # no token: a loopback Host
         core = app.state.dataflow
         info = client.get("/v1/info").json()["eval"]
         assert (info["k"], info["n"], info["pass_k"]) == (2, 4, [1, 2, 4])

@@ -60,8 +60,8 @@ def service(tmp_path):
     """``(client, core, iid, tasks)``: the app with a registered instance holding 8 leases."""
     app = create_app(DataflowConfig(state_dir=str(tmp_path / "state"), group_size=GROUP,
                                     max_body_bytes=64 * 1024, lease_seconds=3600), token="")
-    with TestClient(app) as http:
-        client = DataflowClient("http://testserver", retry_s=0)
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # no token: a loopback Host
+        client = DataflowClient("http://127.0.0.1", retry_s=0)
         client._http.close()
         client._http = _AppHTTP(http)
         iid = client.register(["policy"], capacity=8)["instance_id"]

@@ -3,11 +3,15 @@
 Hypothesis drives the bad-request generators of ``tests/benchmarks/bench_fuzz.py`` (garbage,
 malformed msgpack, wrong types, unknown fields, huge arrays, negative sizes, unknown model_ids,
 replayed pushes, out-of-order versions, pickle / extension types / object arrays, oversized
-bodies, bad paths, bad samples, missing or wrong tokens) plus its own arbitrary msgpack values.
-Properties: never a 5xx; a bad request is never answered 2xx (a replayed push is answered
-``duplicate`` with nothing accepted); the app still answers ``/v1/info`` afterwards and its
-counters show nothing was accepted. A few hundred examples here (seconds); the benchmark sends
-10,000 to a real service process.
+bodies, bad paths, bad samples, missing or wrong tokens, the drills of issue 18, and its access
+model: scopes, instance secrets, foreign tasks, ``Origin`` headers, bodies that are not msgpack)
+plus its own arbitrary msgpack values. The app has scoped tokens next to ``ASTRALIGHT_TOKEN``
+and two registered instances. Properties: never a 5xx; a bad request is never answered 2xx (a
+replayed push is answered ``duplicate`` with nothing accepted); an access request gets exactly
+its status and field (403 ``authorization``, 403 ``instance_secret``, 409 ``task_id``, 403
+``origin``, 415 ``content-type``); the app still answers ``/v1/info`` afterwards and its counters
+and instances show nothing was accepted. A few hundred examples here (seconds); the benchmark
+sends 10,000 to a real service process.
 """
 
 from __future__ import annotations
@@ -26,24 +30,32 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from astralight.dataflow import auth
 from astralight.dataflow.app import create_app
+from astralight.dataflow.auth import Credentials
 from astralight.dataflow.config import DataflowConfig
 from tests.benchmarks import bench_fuzz as fz
 
 TOKEN = "unit-fuzz-token-0123456789"
+SCOPED = {auth.ROLLOUT: "unit-fuzz-rollout-0123456789",
+          auth.TRAINER: "unit-fuzz-trainer-0123456789",
+          auth.ADMIN: "unit-fuzz-admin-0123456789"}
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    """One app (with a token and small limits) and the state the generators aim at."""
+    """One app (``ASTRALIGHT_TOKEN`` and the scoped tokens, small limits) and the state the
+    generators aim at."""
     state = tmp_path_factory.mktemp("fuzz") / "state"
     cfg = DataflowConfig(state_dir=str(state), group_size=2, lease_seconds=3600,
                          max_body_bytes=64 * 1024, max_weight_file_bytes=256 * 1024)
-    app = create_app(cfg, token=TOKEN)
+    env = {"ASTRALIGHT_TOKEN": TOKEN, **{auth.SCOPE_VARS[s]: t for s, t in SCOPED.items()}}
+    app = create_app(cfg, credentials=Credentials.from_env(cfg.model_ids, env=env))
     with TestClient(app, raise_server_exceptions=False) as http:
         ctx = fz.prepare(http, token=TOKEN, max_body_bytes=cfg.max_body_bytes,
-                         max_weight_file_bytes=cfg.max_weight_file_bytes)
+                         max_weight_file_bytes=cfg.max_weight_file_bytes, scoped=SCOPED)
+        assert ctx.scoped and fz.available(ctx) == sorted(fz.CATEGORIES)
         yield app, http, ctx
 
 
@@ -57,6 +69,7 @@ def _check(http, ctx, req: fz.BadRequest) -> fz.Outcome:
     assert out.status is not None and out.status < 500, where
     assert not out.accepted_bad, where
     assert 400 <= out.status < 500 or req.replay, where
+    assert not out.unexpected, where  # an access request: exactly its status and field
     return out
 
 
@@ -67,6 +80,37 @@ def test_every_route_of_the_app_is_fuzzed(service):
     assert routes == set(fz.ROUTES), (routes ^ set(fz.ROUTES))
     for route, categories in fz.ROUTES.items():
         assert categories and set(categories) <= set(fz.CATEGORIES), route
+    listed = {c for categories in fz.ROUTES.values() for c in categories}
+    assert listed == set(fz.CATEGORIES), set(fz.CATEGORIES) - listed  # each names its routes
+
+
+@pytest.mark.parametrize("category", sorted(fz.ACCESS_ROUTES))
+def test_access_categories_reach_the_routes_they_list_and_no_other(service, category):
+    """The access categories of issue 18 send to exactly the routes ROUTES lists them under
+    (``origin`` and ``scope`` to every route they can reach), each with the status it must get."""
+    _, _, ctx = service
+    rng = random.Random(11)
+    reached = set()
+    for _ in range(400):
+        req = fz.generate(rng, ctx, category)
+        found = auth.route_rule(req.method, req.path.split("?", 1)[0])
+        assert found is not None, (category, req.method, req.path)
+        reached.add((req.method, found[0]))
+        assert req.expect in (403, 409, 415) and req.expect_field, req
+    listed = {route for route, cats in fz.ROUTES.items() if category in cats}
+    assert reached == listed, (reached ^ listed)
+    if category == "scope":  # every route but the five every scope may read
+        assert len(listed) == len(fz.ROUTES) - 5
+
+
+def test_without_scoped_tokens_the_scoped_categories_are_left_out(service):
+    _, _, ctx = service
+    single = fz.Context(**{**ctx.__dict__, "rollout_token": "", "trainer_token": ""})
+    assert set(fz.available(ctx)) - set(fz.available(single)) == set(fz.SCOPED_CATEGORIES)
+    assert {"origin", "content_type"} <= set(fz.available(single))
+    rng = random.Random(5)
+    assert all(fz.generate(rng, single).category not in fz.SCOPED_CATEGORIES
+               for _ in range(300))
 
 
 @settings(max_examples=300, deadline=None, derandomize=True,
@@ -111,15 +155,27 @@ def test_arbitrary_values_in_known_fields_never_cause_a_5xx(service, path, data)
 
 def test_state_after_fuzzing_shows_nothing_accepted_and_the_app_answers(service):
     _, http, ctx = service
+    stats = lambda: http.get("/v1/stats", headers=ctx.auth()).json()  # noqa: E731
+    state = fz.state_of(stats(), ctx.model_id)
     before = _model(http, ctx)
+    for iid in (ctx.instance_id, ctx.other_instance):
+        assert state[f"instances.{iid}"]["state"] == "active", state
     rng = random.Random(7)
     for i in range(300):
         _check(http, ctx, fz.generate(rng, ctx, sorted(fz.CATEGORIES)[i % len(fz.CATEGORIES)]))
     after = _model(http, ctx)
     assert http.get("/v1/info", headers=ctx.auth()).status_code == 200
+    assert fz.state_changes(state, fz.state_of(stats(), ctx.model_id)) == {}
     assert after["samples_accepted"] == before["samples_accepted"]
     assert after["current_version"] == ctx.version
     assert after["duplicates_ignored"] > before["duplicates_ignored"]  # replays were seen as such
+    # the second instance still holds its task and its secret: it pushes it once
+    push = fz.push_env(ctx, fz.valid_group(ctx, ctx.other_task), ctx.other_task)
+    push["body"]["instance_id"] = ctx.other_instance
+    r = http.post("/v1/push", content=fz.pack(push),
+                  headers={**fz.MSGPACK, "Authorization": f"Bearer {ctx.rollout_token}",
+                           auth.INSTANCE_SECRET_HEADER: ctx.other_secret})
+    assert r.status_code == 200 and msgpack.unpackb(r.content)["body"]["accepted"] == 2, r.text
     # the open task can still be pushed once, with valid samples
     r = http.post("/v1/push", content=fz.pack(fz.push_env(ctx, fz.valid_group(ctx))),
                   headers={**fz.MSGPACK, **ctx.auth()})
@@ -128,7 +184,7 @@ def test_state_after_fuzzing_shows_nothing_accepted_and_the_app_answers(service)
 
 def test_client_failures_are_counted_per_address_and_instance(tmp_path):
     app = create_app(DataflowConfig(state_dir=str(tmp_path / "s")), token=TOKEN)
-    auth = {"Authorization": f"Bearer {TOKEN}"}
+    auth = {"Authorization": f"Bearer {TOKEN}", **fz.MSGPACK}
     with TestClient(app) as http:
         iid = msgpack.unpackb(http.post("/v1/register", content=fz.pack(fz.envelope(
             {"model_ids": ["policy"], "capacity": 1})), headers=auth).content)["body"]["instance_id"]

@@ -67,7 +67,7 @@ def test_audit_flags_a_marked_batch_the_counter_missed(tmp_path):
 def test_the_route_validates_and_answers(tmp_path):
     app = create_app(DataflowConfig(state_dir=str(tmp_path / "state"), group_size=GROUP,
                                     batch_ack_timeout_s=TIMEOUT), token="")
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # no token: a loopback Host
         trained_batches(app.state.dataflow, [1, 2])
         def post(body):
             return http.post("/v1/trainer/resumed", content=encode(body),

@@ -30,3 +30,17 @@ def test_launcher_fills_vocab_sizes_from_each_trainers_model(tmp_path):
     recipe["dataflow"]["vocab_sizes"] = {"policy": 99}  # an explicit value wins
     assert component_configs(recipe, tmp_path / "run", 8400)["dataflow"]["vocab_sizes"] == {
         "policy": 99}
+
+
+def test_launcher_fills_temperatures_from_each_trainers_policy(tmp_path):
+    """A sample of another temperature is refused on ingest, not by the trainer mid-run."""
+    recipe = {"dataflow": {"model_ids": ["policy", "other", "third"]}, "raas": [{}],
+              "trainers": [{"model": {"init_args": {"model_id": "policy", "temperature": 0.7}}},
+                           {"model": {"init_args": {"model_id": "other"}}},  # unset: not filled
+                           {"model": {"init_args": {"model_id": "third", "temperature": 1}}},
+                           {"model": {"init_args": {"model_id": "unserved", "temperature": 2.0}}}]}
+    cfg = component_configs(recipe, tmp_path / "run", 8400)["dataflow"]
+    assert cfg["temperatures"] == {"policy": 0.7, "third": 1.0}
+    recipe["dataflow"]["temperatures"] = {"policy": 0.5}  # an explicit value wins
+    assert component_configs(recipe, tmp_path / "run", 8400)["dataflow"]["temperatures"] == {
+        "policy": 0.5, "third": 1.0}

@@ -50,6 +50,8 @@ def test_other_os_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(weightfiles, "open", lambda *a, **kw: Broken(), raising=False)
-    with pytest.raises(OSError) as info:
+    with pytest.raises(ServiceError) as info:  # never an unhandled OSError (a 500)
         asyncio.run(files.receive("policy", 1, "model.safetensors", chunks(), 1 << 20))
-    assert not isinstance(info.value, ServiceError) and info.value.errno == errno.EIO
+    # a 507 naming the store and the real error, not "full"
+    assert info.value.status == 507 and info.value.field == "disk"
+    assert "I/O error" in info.value.message and "full" not in info.value.message
