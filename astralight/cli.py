@@ -1,6 +1,7 @@
 """The ``astralight`` command: one entry point, one sub-command per process kind.
 
     astralight run [RECIPE.yaml]                 start everything on this machine (the launcher)
+    astralight --version                         the installed version
     astralight run --resume RUN_DIR              continue an interrupted run folder
     astralight dataflow serve --config X.yaml    the dataflow service
     astralight raas serve --dataflow URL --config X.yaml   a rollout service
@@ -21,7 +22,17 @@ from __future__ import annotations
 
 import sys
 
-USAGE = __doc__
+#: what ``astralight --help`` prints: the docstring as plain text (no reST markup)
+USAGE = __doc__.replace("``", "")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("astralight")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _fit(argv: list[str]) -> int:
@@ -36,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"astralight {_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
         from astralight.launch import main as run_main
@@ -43,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_main(rest)
     if command in ("dataflow", "raas"):
         if not rest or rest[0] != "serve":
-            print(f"usage: astralight {command} serve --config FILE.yaml [options]", file=sys.stderr)
-            return 2
+            usage = (f"usage: astralight {command} serve --config FILE.yaml [options]\n"
+                     f"       astralight {command} serve --help   (every option)")
+            asked = bool(rest) and rest[0] in ("-h", "--help")
+            print(usage, file=sys.stdout if asked else sys.stderr)
+            return 0 if asked else 2
         if command == "dataflow":
             from astralight.dataflow.service import main as serve
         else:

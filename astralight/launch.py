@@ -1066,8 +1066,18 @@ def export_configs(recipe_path: Path, out_dir: Path, port: int = 8400,
               "dataflow_url": f"http://127.0.0.1:{port}"}
     recipe = _substitute(recipe, values)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [_write_yaml(out_dir / f"{name.split('-')[0]}.yaml", cfg)
-            for name, cfg in component_configs(recipe, Path(run_dir), port).items()]
+    configs = component_configs(recipe, Path(run_dir), port)
+    return [_write_yaml(out_dir / f"{file_stem}.yaml", configs[name])
+            for name, file_stem in export_file_stems(list(configs)).items()]
+
+
+def export_file_stems(names: list[str]) -> dict[str, str]:
+    """The file name (without ``.yaml``) each component's config is exported under: its kind
+    (``dataflow``, ``raas``, ``trainer``) when it is the only one of its kind, else its whole
+    name (``trainer-solver``, ``trainer-verifier``, ``raas-0``, ``raas-1``), so no two
+    components of a recipe share a file."""
+    kinds = [name.split("-")[0] for name in names]
+    return {name: kind if kinds.count(kind) == 1 else name for name, kind in zip(names, kinds)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1082,7 +1092,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--export-configs", metavar="DIR", default=None,
                         help="write each component's config to DIR (dataflow.yaml, raas.yaml, "
-                             "trainer.yaml) and exit, to start the components by hand")
+                             "trainer.yaml; trainer-MODEL_ID.yaml, raas-I.yaml when a recipe has "
+                             "several) and exit, to start the components by hand")
     args = parser.parse_args(argv)
     try:
         if args.export_configs:

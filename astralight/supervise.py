@@ -11,6 +11,9 @@ Policy (``recipe.supervise``, see :func:`supervise_settings`):
 * A trainer that exits 0 has **finished** (it reached ``max_steps``); any other exit of a trainer,
   and any exit at all of a service (dataflow, RaaS, autoscaler) while the run goes on, is a
   **crash**.
+* A component that exits 2 (a usage or config error: a typo'd option, a missing model path)
+  is never restarted: the same command would fail the same way, so the run fails at once
+  (:class:`GiveUp`, with its last log lines).
 * A crashed component is restarted after a backoff of ``backoff_s * backoff_factor**k`` seconds
   (``k`` = restarts it already had, capped at ``max_backoff_s``), so a component that dies at once
   again does not spin.
@@ -27,6 +30,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Protocol
+
+#: the exit status of a usage or config error (argparse, jsonargparse, LightningCLI and
+#: astralight's own config checks): the component is never restarted
+EXIT_USAGE = 2
 
 #: recipe.supervise keys and their defaults
 SUPERVISE_DEFAULTS = {"max_restarts": 3, "backoff_s": 2.0, "backoff_factor": 2.0,
@@ -94,7 +101,8 @@ class Supervised(Protocol):
 
 
 class GiveUp(RuntimeError):
-    """A component crashed once more than ``max_restarts`` allows (or supervision is off)."""
+    """A component crashed once more than ``max_restarts`` allows, supervision is off, or it exited
+    with a usage or config error (:data:`EXIT_USAGE`)."""
 
     def __init__(self, name: str, returncode: int | None, restarts: int, message: str):
         super().__init__(message)
@@ -211,6 +219,11 @@ class Supervisor:
 
     def _crashed(self, name: str, comp: Supervised, rc: int | None, now: float) -> RestartEvent:
         used = self.restarts[name]
+        if rc == EXIT_USAGE:
+            raise GiveUp(name, rc, used, f"{name} exited with {rc}, a usage or config error (a "
+                                         "bad option or key, a missing file): a restart would "
+                                         f"fail the same way, so none is made. Its log:\n"
+                                         f"{comp.tail()}")
         if self.settings is None:
             raise GiveUp(name, rc, used, f"{name} exited with {rc} (recipe.supervise is off):\n"
                                          f"{comp.tail()}")

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         args=["fit", *(argv or [])],
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
+        # error tips name the command a user typed ("astralight fit --help"), not "cli.py"
+        parser_kwargs={"prog": "astralight"},
     )
 
 

@@ -258,3 +258,19 @@ def test_resume_refuses_while_the_run_folders_components_still_run(tmp_path):
     finally:
         orphan.stop()
     assert not (run_dir / "dataflow").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize("name", ["trainer-policy", "raas-0", "dataflow"])
+def test_a_usage_or_config_error_is_never_restarted(name):
+    """Exit 2 (e.g. a typo'd trainer key: `Subcommand 'fit' does not accept option`) used to be
+    restarted three times before the run failed with the same message."""
+    sup, comps, _, events = make(backoff_s=0)
+    comps[name].crash(2)
+    with pytest.raises(GiveUp, match=f"{name} exited with 2, a usage or config error") as info:
+        sup.poll(0.0)
+    assert comps[name].starts == 0 and info.value.restarts == 0 and not events
+    assert f"last words of {name}" in str(info.value)
+    sup, comps, _, _ = make(backoff_s=0)  # any other failure is still restarted
+    comps[name].crash(1)
+    sup.poll(0.0)
+    assert comps[name].starts == 1
