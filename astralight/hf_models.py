@@ -67,6 +67,22 @@ def tie_if_configured(model: Any) -> bool:
     return True
 
 
+def check_model_path(path: Any, key: str) -> None:
+    """Refuse a local model folder that does not exist, naming the config ``key`` (without
+    this, transformers takes it for a hub repo id and fails with "Repo id must be in the form
+    'repo_name'", naming no key). A path is local when it is absolute or starts with ``./``,
+    ``../`` or ``~``; a hub id (``org/name``) is left to transformers."""
+    import os
+    from pathlib import Path
+
+    if isinstance(path, str) and path.startswith(("/", "./", "../", "~")):
+        if not Path(os.path.expanduser(path)).exists():
+            raise ValueError(f"{key}: {path!r} does not exist; give the folder of a Hugging Face "
+                             "model (config.json, weights, tokenizer) -- the same one the RaaS "
+                             "and the trainer start from -- or build the toy one with "
+                             "`astralight prepare-toy DIR`")
+
+
 def causal_lm_from_pretrained(path: str, **kwargs: Any):
     """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` under :data:`MODEL_LOCK`, tied
     as its config says (:func:`tie_if_configured`)."""

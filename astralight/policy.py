@@ -68,7 +68,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta
+from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta, check_model_path
 from astralight.lora import LoraSpec, wrap_model
 from astralight.protocol import temperature_mismatch
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
@@ -228,6 +228,7 @@ class RLPolicy(pl.LightningModule):
         names = sorted(self.hparams, key=lambda k: order.get(k, len(order)))
         self.hparams.clear()  # save_hyperparameters updates the dict in place: refill it in order
         self.save_hyperparameters(*names)
+        check_model_path(model_path, "model.init_args.model_path")
         self.model_path = model_path
         self.model_id = model_id
         self.kl_coef = kl_coef

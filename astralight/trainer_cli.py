@@ -23,7 +23,22 @@ from astralight.checkpoint_io import install as install_atomic_checkpoints
 
 
 class AstralightCLI(LightningCLI):
-    """LightningCLI whose trainer writes checkpoints atomically (see the module docstring)."""
+    """LightningCLI whose trainer writes checkpoints atomically (see the module docstring) and
+    that checks the model's ``model_path`` before building anything."""
+
+    def before_instantiate_classes(self) -> None:
+        """A local ``model.init_args.model_path`` that does not exist is a usage error (exit 2
+        naming the key), not a Hugging Face hub error from deep inside the model's build."""
+        from astralight.hf_models import check_model_path
+
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        model = config.get("model") if config is not None else None
+        init_args = getattr(model, "init_args", None) if model is not None else None
+        path = getattr(init_args, "model_path", None) if init_args is not None else None
+        try:
+            check_model_path(path, "model.init_args.model_path")
+        except ValueError as exc:
+            self.parser.error(str(exc))
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)

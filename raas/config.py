@@ -170,6 +170,7 @@ def validate(config: RaaSConfig) -> None:
             raise ValueError(f"engines.{mid}: expected a mapping of engine arguments")
         if "class_path" not in spec and "model_path" not in spec:
             raise ValueError(f"engines.{mid}.model_path: is required")
+        check_engine_spec(mid, spec)
     if config.max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
     if config.poll_interval_s < 0:
@@ -201,15 +202,43 @@ def import_object(path: str) -> Any:
         raise ValueError(f"class_path: cannot import {path!r} ({exc})") from None
 
 
-def build_engine(model_id: str, spec: dict, seed: int) -> Any:
-    """Instantiate the engine of one policy: VLLMEngine(**spec) or {class_path, init_args}."""
+def _engine_class_and_kwargs(model_id: str, spec: dict) -> tuple[Any, dict]:
     spec = dict(spec)
     if "class_path" in spec:
         cls = import_object(spec.pop("class_path"))
         kwargs = dict(spec.pop("init_args", {}) or {})
         if spec:
             raise ValueError(f"engines.{model_id}: unexpected keys {sorted(spec)} next to class_path")
-    else:
-        cls, kwargs = import_object(DEFAULT_ENGINE), spec
+        return cls, kwargs
+    return import_object(DEFAULT_ENGINE), spec
+
+
+def check_engine_spec(model_id: str, spec: dict) -> None:
+    """Check one engine's arguments before anything starts: every key is a parameter of the
+    engine class (a typo such as ``max_model_length`` names the key and the closest parameter),
+    and a local ``model_path`` (absolute, ``./``, ``../`` or ``~``) exists. A hub id
+    (``org/name``) is left to the engine. Raises ValueError naming ``engines.<model_id>.<key>``."""
+    import difflib
+    import inspect
+
+    from astralight.hf_models import check_model_path
+
+    cls, kwargs = _engine_class_and_kwargs(model_id, spec)
+    where = f"engines.{model_id}" + (".init_args" if "class_path" in spec else "")
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n in params if n != "self"]
+        for key in kwargs:
+            if key not in params:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"{where}.{key}: {cls.__name__} has no argument {key!r}; "
+                                 f"{hint}it takes {', '.join(sorted(accepted))}")
+    check_model_path(kwargs.get("model_path"), f"{where}.model_path")
+
+
+def build_engine(model_id: str, spec: dict, seed: int) -> Any:
+    """Instantiate the engine of one policy: VLLMEngine(**spec) or {class_path, init_args}."""
+    cls, kwargs = _engine_class_and_kwargs(model_id, spec)
     kwargs.setdefault("seed", seed)
     return cls(**kwargs)

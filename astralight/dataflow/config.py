@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -434,9 +435,19 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> DataflowConfig:
-    """Parse ``--config FILE`` plus CLI overrides (``--port 8401``, ``--eval.every 2``)."""
+    """Parse ``--config FILE`` plus CLI overrides (``--port 8401``, ``--eval.every 2``).
+
+    A ``class_path`` that cannot be imported exits 2 with a message naming its key (jsonargparse
+    lets the ``AttributeError`` of ``pkg.no_such_module.Class`` escape as a traceback)."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except (ImportError, AttributeError) as exc:
+        where = _unimportable_class_path(_config_files(argv))
+        parser.error(f"{where[0]}: cannot import {where[1]!r} ({where[2]}); check the module "
+                     "path, and that its package is installed or on PYTHONPATH" if where else
+                     f"a class_path in the config cannot be imported: {exc}")
+        raise  # unreachable: parser.error exits
     values = ns.as_dict()
     values.pop("config", None)
     try:
@@ -444,6 +455,48 @@ def parse_config(argv: list[str] | None = None) -> DataflowConfig:
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def _config_files(argv: list[str] | None) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    argv, out = list(argv or ()), []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def _unimportable_class_path(files: list[str]) -> tuple[str, str, str] | None:
+    """``(key, class_path, error)`` of the first ``class_path`` in the YAML ``files`` that
+    cannot be imported, e.g. ``("source.class_path", "pkg.nope.Cls", "...")``; None if all can."""
+    import importlib
+
+    import yaml
+
+    def walk(node: Any, key: str):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{key}[{i}]")
+        elif key.endswith("class_path") and isinstance(node, str):
+            yield key, node
+
+    for path in files:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        for key, class_path in walk(data, ""):
+            module, _, name = class_path.rpartition(".")
+            try:
+                getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as exc:
+                return key, class_path, f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def instantiate_plugin(spec: dict, base: type, name: str) -> Any:
