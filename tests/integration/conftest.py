@@ -1,4 +1,6 @@
-"""Integration fixtures: the real dataflow service as a subprocess on a free loopback port."""
+"""Integration fixtures: the real dataflow service as a subprocess on a free loopback port, a
+client factory, and the FSDP2 fit tests' fixtures (``clean_dist``, ``batches``), shared here so
+that tests never import fixtures from one another."""
 
 from __future__ import annotations
 
@@ -92,3 +94,30 @@ def client_for():
     yield make
     for c in clients:
         c.close()
+
+
+# ---------------------------------------------------------------- FSDP2 fits
+# (test_fsdp2_fit.py, test_fsdp2_checkpoint.py, test_export.py)
+
+
+@pytest.fixture
+def clean_dist():
+    """ModelParallelStrategy initialises a (world-size 1) gloo process group and sets
+    MASTER_ADDR/PORT in this process: undo both so other tests see a clean process."""
+    env = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_model_dir):
+    from astralight.datamodules import collate_batch
+    from tests.unit.trainer_fakes import FakeDataflowClient
+
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3, seed=1)
+    return [collate_batch(fake.make_batch(6)) for _ in range(2)]

@@ -28,7 +28,7 @@ import pytest
 
 from astralight.dataflow.client import DataflowClient
 from astralight.proc import PDEATHSIG_SUPPORTED
-from tests.unit.test_proc import gone, wait_for
+from tests.proc_helpers import gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,7 @@ from astralight.dataflow.audit import audit
 from astralight.dataflow.client import DataflowClient, DataflowError
 from astralight.datamodules import RolloutDataModule
 from astralight.policy import M2POPolicy
-from tests.integration.test_dataflow_service import make_samples
-from tests.integration.test_trainer_dataflow import fake_raas
+from tests.integration.service_helpers import fake_raas, make_samples
 
 TIMEOUT = 2.0
 

@@ -318,7 +318,7 @@ def test_trainer_kill9_resumes_from_last_ckpt_with_versions_continuing(tmp_path,
 
 
 def crash_recipe(tmp_path: Path, versions: int = 6) -> Path:
-    from tests.integration.test_launcher import shortened_toy_recipe
+    from tests.integration.recipes import shortened_toy_recipe
 
     path = shortened_toy_recipe(tmp_path, versions=versions)
     recipe = yaml.safe_load(path.read_text())

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from astralight.dataflow.client import DataflowClient
 from astralight.weights import WeightState
-from tests.integration.test_trainer_dataflow import fake_raas
+from tests.integration.service_helpers import fake_raas
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

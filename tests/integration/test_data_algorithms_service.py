@@ -11,7 +11,7 @@ import pytest
 
 from astralight.dataflow.client import DataflowClient
 from astralight.dataflow.curators import PromptCurator
-from tests.integration.test_dataflow_service import make_samples, model_stats, publish_version
+from tests.integration.service_helpers import make_samples, model_stats, publish_version
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 

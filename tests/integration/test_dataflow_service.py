@@ -3,53 +3,20 @@ bad input, batches, staleness, weights, evals and auth."""
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import threading
 import time
 
 import httpx
 import msgpack
-import numpy as np
 import pytest
 
-from astralight.dataflow.client import DataflowClient, DataflowError
-from astralight.protocol import Sample, WeightManifest, encode
+from astralight.dataflow.client import DataflowError
+from astralight.protocol import WeightManifest, encode
+from tests.integration.service_helpers import make_samples, model_stats, publish_version
 
 EVAL_SOURCE = {"class_path": "astralight.tasks.arithmetic.ArithmeticSource",
                "init_args": {"split": "eval", "eval_size": 3}}
-
-
-def make_samples(task, rewards, version: int = 0, model_id: str = "policy",
-                 gen_versions: list[int] | None = None) -> list[Sample]:
-    """A group of samples for ``task``: 3 prompt tokens then generated tokens of ``version``."""
-    out = []
-    for i, r in enumerate(rewards):
-        gen = gen_versions or [version] * (3 + i)
-        T = 3 + len(gen)
-        out.append(Sample(task_id=task.task_id, sample_index=i, model_id=model_id,
-                          token_ids=np.arange(10 * i, 10 * i + T, dtype=np.int32),
-                          logprobs=np.array([0, 0, 0] + [-0.125 * (j + 1) for j in range(len(gen))],
-                                            np.float32),
-                          loss_mask=np.array([0, 0, 0] + [1] * len(gen), np.uint8),
-                          versions=np.array([-1, -1, -1] + gen, np.int32),
-                          reward=float(r), prompt_len=3, metadata={"finish_reason": "stop"}))
-    return out
-
-
-def publish_version(client: DataflowClient, version: int, payload: bytes | None = None,
-                    model_id: str = "policy") -> WeightManifest:
-    data = payload or f"weights v{version}".encode()
-    client.upload_weight_file(model_id, version, "model.safetensors", data)
-    manifest = WeightManifest(model_id=model_id, version=version, kind="full",
-                              files={"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(),
-                                                           "bytes": len(data)}})
-    client.publish(manifest)
-    return manifest
-
-
-def model_stats(client: DataflowClient, model_id: str = "policy") -> dict:
-    return client.stats()["models"][model_id]
 
 
 def test_expired_lease_is_reissued_once_and_the_late_push_is_a_duplicate(tmp_path, dataflow_service,

@@ -29,12 +29,7 @@ from astralight.checkpoint_io import install
 from astralight.cli import main as cli_main
 from astralight.export import ExportError, export_checkpoint, read_checkpoint
 from astralight.policy import M2POPolicy
-from tests.integration.test_fsdp2_fit import (  # noqa: F401 (fixtures)
-    _full_state,
-    _identity,
-    batches,
-    clean_dist,
-)
+from tests.integration.fsdp2_helpers import _full_state, _identity
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}

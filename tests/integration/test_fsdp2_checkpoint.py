@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from astralight.checkpoint_io import install
 from astralight.fsdp2_strategy import FOLDER_INFIX, FSDP2Strategy, point_link
 from astralight.policy import M2POPolicy
-from tests.integration.test_fsdp2_fit import _identity, batches, clean_dist  # noqa: F401 fixtures
+from tests.integration.fsdp2_helpers import _identity
 
 
 def _folders(ckpt: Path) -> list[str]:

@@ -30,6 +30,7 @@ from astralight.datamodules import collate_batch
 from astralight.policy import M2POPolicy
 from astralight.protocol import Batch
 from astralight.weights import WeightState, to_bf16_bits
+from tests.integration.fsdp2_helpers import _full_state, _identity
 from tests.unit.trainer_fakes import FakeDataflowClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,39 +38,10 @@ SETTINGS = dict(lr=1e-3, micro_batch_size=2, kl_coef=0.1, grad_clip=0.05,
                 gradient_checkpointing=True, m2_threshold=0.01)
 
 
-@pytest.fixture
-def clean_dist():
-    """ModelParallelStrategy initialises a (world-size 1) gloo process group and sets
-    MASTER_ADDR/PORT in this process: undo both so other tests see a clean process."""
-    env = dict(os.environ)
-    yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(env)
-
-
 def _mp():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-
-
-def _identity(x):
-    return x
-
-
-def _full_state(policy: M2POPolicy) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if policy._sharded:
-        state = get_model_state_dict(policy.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
-    else:
-        state = policy.model.state_dict()
-    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def fit(model_dir, batches, strategy, precision="32-true", callbacks=(), **kwargs):
@@ -81,12 +53,6 @@ def fit(model_dir, batches, strategy, precision="32-true", callbacks=(), **kwarg
     trainer.fit(policy, train_dataloaders=DataLoader(batches, batch_size=None,
                                                      collate_fn=_identity))
     return policy, trainer
-
-
-@pytest.fixture(scope="module")
-def batches(tiny_model_dir):
-    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3, seed=1)
-    return [collate_batch(fake.make_batch(6)) for _ in range(2)]
 
 
 def test_one_rank_fsdp2_equals_auto(tiny_model_dir, batches, clean_dist):

@@ -19,8 +19,8 @@ import pytest
 
 from astralight.launch import running_components
 from astralight.proc import PDEATHSIG_SUPPORTED
-from tests.integration.test_launcher import shortened_toy_recipe
-from tests.unit.test_proc import gone, kill_quietly, wait_for
+from tests.integration.recipes import shortened_toy_recipe
+from tests.proc_helpers import gone, kill_quietly, wait_for
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="parent-death signal is Linux-only")]

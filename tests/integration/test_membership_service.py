@@ -12,7 +12,7 @@ import pytest
 
 from astralight.dataflow.client import DataflowError
 from astralight.protocol import encode
-from tests.integration.test_dataflow_service import make_samples, model_stats, publish_version
+from tests.integration.service_helpers import make_samples, model_stats, publish_version
 
 
 def instances(c) -> dict[str, dict]:

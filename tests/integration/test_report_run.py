@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_launcher import shortened_toy_recipe
+from tests.integration.recipes import shortened_toy_recipe
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from astralight.protocol import Sample
-from tests.integration.test_dataflow_service import make_samples, model_stats, publish_version
+from tests.integration.service_helpers import make_samples, model_stats, publish_version
 
 
 def test_sync_mode_runs_rounds_of_exactly_one_batch_per_version(tmp_path, dataflow_service,

@@ -18,51 +18,8 @@ from astralight.callbacks import WeightPublisher
 from astralight.dataflow.client import DataflowClient
 from astralight.datamodules import RolloutDataModule
 from astralight.policy import M2POPolicy
-from astralight.protocol import Sample
-from astralight.rl.logprobs import causal_lm_logprobs
 from astralight.weights import WeightState
-
-
-def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
-    from astralight.hf_models import causal_lm_from_pretrained
-    from astralight.tinymodel import build_tokenizer
-
-    try:
-        tok = build_tokenizer()
-        # this thread loads while the test's Trainer.fit loads the policy: both under the lock
-        # (overlapping from_pretrained calls can switch transformers' weight tying off for the
-        # whole process, see astralight.hf_models)
-        model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
-        rng = np.random.default_rng(0)
-        client = DataflowClient(url)
-        instance = client.register(["policy"], capacity=8)["instance_id"]
-        while not stop.is_set():
-            tasks = client.lease(instance, 4)
-            if not tasks:
-                stop.wait(0.05)
-                continue
-            version = client.current_version("policy")
-            for task in tasks:
-                prompt = [2] + tok.encode(task.prompt, add_special_tokens=False)
-                samples = []
-                for k in range(task.n):
-                    gen = list(rng.integers(3, 20, int(rng.integers(1, 4)))) + [1]
-                    ids = np.array(prompt + gen, dtype=np.int32)
-                    with torch.no_grad():
-                        lp = causal_lm_logprobs(model, torch.from_numpy(ids).long()[None])[0].numpy()
-                    loss_mask = np.zeros(len(ids), dtype=np.uint8)
-                    loss_mask[len(prompt):] = 1
-                    logprobs = (np.concatenate([[0.0], lp]) * loss_mask).astype(np.float32)
-                    samples.append(Sample(
-                        task_id=task.task_id, sample_index=k, model_id="policy", token_ids=ids,
-                        logprobs=np.minimum(logprobs, 0.0), loss_mask=loss_mask,
-                        versions=np.where(loss_mask > 0, version, -1).astype(np.int32),
-                        reward=float(rng.integers(0, 2)), prompt_len=len(prompt),
-                        metadata={"temperature": 1.0, "finish_reason": "stop"}))
-                client.push(instance, task.task_id, samples)
-        client.close()
-    except Exception as exc:  # surfaced by the test
-        errors.append(exc)
+from tests.integration.service_helpers import fake_raas
 
 
 def test_fit_against_the_dataflow_service(dataflow_service, tiny_model_dir, tmp_path):

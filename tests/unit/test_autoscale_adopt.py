@@ -12,7 +12,7 @@ import json
 
 from astralight.autoscale.policy import Policy, PolicyConfig
 from astralight.autoscale.service import AutoscaleConfig, Autoscaler
-from tests.unit.test_autoscale_policy import Clock, FakeBackend, FakeDataflow
+from tests.unit.autoscale_fakes import Clock, FakeBackend, FakeDataflow
 
 
 class ClusterBackend(FakeBackend):

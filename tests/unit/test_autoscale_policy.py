@@ -11,6 +11,7 @@ import pytest
 from astralight.autoscale.policy import (Decision, Member, Policy, PolicyConfig, pool_members,
                                          report_target, retirement_order)
 from astralight.autoscale.service import AutoscaleConfig, Autoscaler
+from tests.unit.autoscale_fakes import Clock, FakeBackend, FakeDataflow
 
 
 def report(action, pool, target, w=0.0, consumed=100, accepted=100, versions=(0, 9)):
@@ -168,61 +169,6 @@ def test_pool_members_from_the_instance_table():
 
 
 # ---------------------------------------------------------------------- the loop, with fakes
-
-
-class FakeBackend:
-    def __init__(self):
-        self.running: set[str] = set()
-        self.calls: list[tuple] = []
-
-    def launch(self, instance_id, n=None):
-        self.calls.append(("launch", instance_id, n))
-        self.running.add(instance_id)
-
-    def retire(self, instance_id, n=None):
-        self.calls.append(("retire", instance_id, n))
-        self.running.discard(instance_id)
-
-    def alive(self, instance_id):
-        return instance_id in self.running
-
-    def returncode(self, instance_id):
-        return None if instance_id in self.running else -9
-
-    def close(self):
-        self.calls.append(("close",))
-
-
-class FakeDataflow:
-    """``stats`` and ``balance`` as the routes answer them; the test sets version and report."""
-
-    def __init__(self):
-        self.version = 0
-        self.rows: dict[str, dict] = {}
-        self.next_report = None
-        self.balance_calls: list[tuple] = []
-        self.drained: list[str] = []
-
-    def stats(self):
-        return {"models": {"policy": {"current_version": self.version}},
-                "instances": list(self.rows.values())}
-
-    def balance(self, model_id, window=10, pool=None):
-        self.balance_calls.append((model_id, window, pool))
-        rep = dict(self.next_report)
-        rep["instances"] = list(self.rows.values())
-        return rep
-
-    def drain(self, instance_id):
-        self.drained.append(instance_id)
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def make_scaler(tmp_path, **policy_kw):

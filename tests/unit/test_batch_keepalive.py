@@ -9,7 +9,6 @@ import sqlite3
 import threading
 import time
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -20,24 +19,8 @@ from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.store import SCHEMA, Store
 from astralight.datamodules.rollout import BatchKeepAlive, RolloutDataModule
-from astralight.protocol import Sample, decode, encode
-
-GROUP = 2
-TIMEOUT = 2.0
-
-
-def samples(task, rewards=(0, 1)) -> list[Sample]:
-    return [Sample(task_id=task.task_id, sample_index=i, model_id="policy",
-                   token_ids=np.array([5, 6, 7], np.int32),
-                   logprobs=np.array([0, -1, -1], np.float32),
-                   loss_mask=np.array([0, 1, 1], np.uint8),
-                   versions=np.array([-1, 0, 0], np.int32), reward=float(r))
-            for i, r in enumerate(rewards)]
-
-
-def make(tmp_path, **kw) -> Dataflow:
-    return Dataflow(DataflowConfig(state_dir=str(tmp_path / "state"), group_size=GROUP,
-                                   batch_ack_timeout_s=TIMEOUT, **kw))
+from astralight.protocol import decode, encode
+from tests.unit.batch_ack_flow import GROUP, TIMEOUT, make, samples
 
 
 def served(flow: Dataflow, n_tasks: int = 1):

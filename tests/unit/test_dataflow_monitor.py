@@ -6,35 +6,8 @@ tests); the trainer is a stand-in with a recording logger, so no fit is run.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from astralight.callbacks import DataflowMonitor
 from astralight.callbacks.dataflow_monitor import plugin_metrics, stat_metrics
-
-
-class FakeClient:
-    def __init__(self, stats: dict, evals: dict | None = None):
-        self._stats, self._evals = stats, evals or {}
-
-    def stats(self) -> dict:
-        return self._stats
-
-    def eval_results(self, model_id: str) -> dict:
-        return self._evals
-
-
-class RecordingLogger:
-    def __init__(self):
-        self.calls: list[tuple[dict, int]] = []
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        self.calls.append((dict(metrics), step))
-
-    def merged(self) -> dict:
-        out = {}
-        for metrics, _ in self.calls:
-            out.update(metrics)
-        return out
+from tests.unit.monitor_fakes import FakeClient, monitor_with
 
 
 STATS = {
@@ -54,14 +27,6 @@ STATS = {
         "replay.selectors[0]": {"class": "Uniform", "metrics": {"pool size": 12}},
     },
 }
-
-
-def monitor_with(stats: dict, evals: dict | None = None):
-    monitor = DataflowMonitor(dataflow_url="http://127.0.0.1:1", model_id="policy",
-                              steps_per_version=2)
-    monitor.client = FakeClient(stats, evals)
-    trainer = SimpleNamespace(logger=RecordingLogger(), global_rank=0, global_step=14)
-    return monitor, trainer
 
 
 def test_poll_logs_data_algorithm_counters_and_plugin_gauges():

@@ -4,7 +4,6 @@ DataflowMonitor; old state folders (no such columns) still aggregate as before."
 
 from __future__ import annotations
 
-import sqlite3
 from fractions import Fraction
 
 import numpy as np
@@ -19,6 +18,7 @@ from astralight.dataflow.store import Store
 from astralight.protocol import Sample, Task, decode
 from astralight.report.rundata import ReadOnlyStore
 from astralight.tasks.base import Prompt, PromptSource
+from tests.unit.run_folders import _old_db
 
 # n = 4 samples per prompt; c correct -> pass@1, pass@2, pass@4 = 1 - C(4-c, k) / C(4, k)
 HAND = {2: (Fraction(1, 2), Fraction(5, 6), Fraction(1)),   # 1-2/4, 1-1/6, 1-0/1
@@ -92,26 +92,6 @@ def test_schedule_refuses_k_above_n(tmp_path):
         evals.schedule(store, ThreePrompts(), "p", 0, ["p"], 2, "single_turn", 0.0, n=4,
                        pass_k=[8])
     store.close()
-
-
-def _old_db(path):
-    """A state folder from before eval.n / eval.pass_k (and n_team_correct) existed."""
-    con = sqlite3.connect(str(path))
-    con.executescript("""
-        CREATE TABLE eval_runs (model_id TEXT NOT NULL, version INTEGER NOT NULL,
-            n_prompts INTEGER NOT NULL, k INTEGER NOT NULL, scheduled_at REAL NOT NULL,
-            PRIMARY KEY(model_id, version));
-        CREATE TABLE eval_reports (model_id TEXT NOT NULL, version INTEGER NOT NULL,
-            prompt_index INTEGER NOT NULL, task_id TEXT NOT NULL, n_samples INTEGER NOT NULL,
-            n_correct INTEGER NOT NULL, sum_reward REAL NOT NULL, min_version INTEGER,
-            max_version INTEGER, reported_at REAL NOT NULL,
-            PRIMARY KEY(model_id, version, prompt_index));
-        INSERT INTO eval_runs VALUES ('p', 3, 2, 4, 0.0);
-        INSERT INTO eval_reports VALUES ('p', 3, 0, 't0', 4, 1, 1.0, 3, 3, 1.0);
-        INSERT INTO eval_reports VALUES ('p', 3, 1, 't1', 4, 0, 0.0, 3, 3, 1.0);
-    """)
-    con.commit()
-    con.close()
 
 
 def test_old_state_folders_aggregate_as_before(tmp_path):
@@ -200,7 +180,7 @@ def test_service_issues_n_samples_and_serves_every_pass_at_k(tmp_path):
 # ---------------------------------------------------------------- the trainer's TensorBoard
 
 def test_monitor_logs_every_pass_at_k_and_the_benchmark_averages():
-    from tests.unit.test_dataflow_monitor import monitor_with
+    from tests.unit.monitor_fakes import monitor_with
 
     result = {"complete": True, "avg_at_k": 0.25, "pass_at_k": 0.5, "k": 2,
               "pass_at": {"1": 0.25, "2": 0.5, "4": 0.75},

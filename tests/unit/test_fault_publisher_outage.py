@@ -10,7 +10,7 @@ import pytest
 
 from astralight.callbacks import WeightPublisher
 from astralight.dataflow.client import DataflowError
-from tests.unit.test_weight_publisher import FlushEachStep, fit
+from tests.unit.publisher_fit import FlushEachStep, fit
 from tests.unit.trainer_fakes import FakeDataflowClient
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from astralight.proc import PDEATHSIG_SUPPORTED
-from tests.unit.test_proc import gone, kill_quietly, wait_for
+from tests.proc_helpers import gone, kill_quietly, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="parent-death signal is Linux-only")

@@ -19,39 +19,12 @@ from pathlib import Path
 import pytest
 
 from astralight.proc import ORPHANED_AT_START, PDEATHSIG_SUPPORTED, child_setup, spawn
+from tests.proc_helpers import gone, kill_quietly, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 linux_only = pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="parent-death signal is Linux-only")
 
 SLEEPER = "import time\nwhile True: time.sleep(0.1)\n"
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie (exited, waiting for whoever adopted it to reap it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def start_intermediate(tmp_path: Path, die_with_parent: bool) -> tuple[subprocess.Popen, int]:

@@ -17,39 +17,11 @@ from astralight.dataflow.store import Store
 from astralight.report import main, make_report
 from astralight.report.plots import MatplotlibMissing, pool_timeline, rolling_ratio
 from astralight.report.rundata import RunFolderError, load_run
-from astralight.tasks.base import Prompt, PromptSource
+from tests.unit.run_folders import (ROLLOUTS, STEP_MS, T0, TRAINED, WAIT_MS, _balance, assert_png,
+                                    write_summary)
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("eval_accuracy.png", "reward.png", "wait_fraction.png", "staleness.png", "weights.png",
          "pool.png")
-T0 = 1_700_000_000.0
-
-# per-version trainer timings (ms) of policy "policy": wait / step
-WAIT_MS = {0: 9000, 1: 100, 2: 300, 3: 200, 4: 400}
-STEP_MS = {0: 10000, 1: 1000, 2: 1000, 3: 1000, 4: 1000}
-ROLLOUTS = {0: 40, 1: 30, 2: 20, 3: 25, 4: 35}
-TRAINED = {0: 16, 1: 16, 2: 16, 3: 16, 4: 16}
-
-
-class TwoBenchmarks(PromptSource):
-    """A 4-prompt eval source: prompts 0, 1 are "aime", 2, 3 are "math500"."""
-
-    def get(self, index: int) -> Prompt:
-        if not 0 <= index < 4:
-            raise IndexError(index)
-        return Prompt(f"p{index}", f"{index}+1=",
-                      {"answer": str(index + 1), "benchmark": "aime" if index < 2 else "math500"})
-
-    def __len__(self) -> int:
-        return 4
-
-
-def _balance(model_id: str = "policy") -> dict:
-    return {"versions": [2, 3], "wall_s": 2.0, "wait_fraction": 0.25, "produced": 45,
-            "accepted": 45, "consumed": 32, "stale": 13,
-            "decision": {"action": "scale_up", "pool": 1, "target": 2,
-                         "reason": "trainer waited 25.0% of its steps (> 10%)"},
-            "model_id": model_id, "current_version": 4}
 
 
 def write_db(run_dir: Path, benchmarks: bool = False) -> None:
@@ -82,7 +54,7 @@ def write_db(run_dir: Path, benchmarks: bool = False) -> None:
     if benchmarks:
         cfg = run_dir / "configs" / "dataflow.yaml"
         cfg.parent.mkdir(parents=True, exist_ok=True)
-        cfg.write_text("eval:\n  source:\n    class_path: tests.unit.test_report.TwoBenchmarks\n")
+        cfg.write_text("eval:\n  source:\n    class_path: tests.unit.run_folders.TwoBenchmarks\n")
 
 
 def write_tensorboard(run_dir: Path, name: str = "policy", steps: int = 5) -> None:
@@ -102,24 +74,6 @@ def write_tensorboard(run_dir: Path, name: str = "policy", steps: int = 5) -> No
             writer.add_scalar("publish/sparsity", 0.3 + 0.05 * step, step)
             writer.add_scalar("publish/delta_bytes", 400.0, step)
     writer.close()
-
-
-def write_summary(run_dir: Path, **extra) -> dict:
-    summary = {
-        "eval_accuracy_start": 0.3, "eval_accuracy_end": 0.7, "eval_versions": [0, 4],
-        "eval": {"0": {"avg_at_k": 0.3, "pass_at_k": 0.5, "k": 2, "n_prompts": 4},
-                 "4": {"avg_at_k": 0.7, "pass_at_k": 1.0, "k": 2, "n_prompts": 4}},
-        "versions": 4, "samples_trained": sum(TRAINED.values()),
-        "rollouts_generated": sum(ROLLOUTS.values()),
-        "counters": {"trainer_wait_ms": sum(WAIT_MS.values()),
-                     "trainer_step_ms": sum(STEP_MS.values())},
-        "per_version": {str(v): {"trainer_wait_ms": WAIT_MS[v], "trainer_step_ms": STEP_MS[v],
-                                 "rollouts_generated": ROLLOUTS[v],
-                                 "samples_trained": TRAINED[v]} for v in range(5)},
-        "balance": _balance(), "trainer_seconds": 12.5, "wall_s": 42.5,
-        "run_dir": str(run_dir), **extra}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def write_balance_txt(run_dir: Path) -> None:
@@ -142,12 +96,6 @@ def full_run(tmp_path) -> Path:
         + "\n" + json.dumps({"time": T0 + 2.5, "version": 2, "action": "scale_up", "pool": 1,
                              "target": 2}) + "\n")
     return run_dir
-
-
-def assert_png(path: Path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC, f"{path.name} is not a PNG"
-    assert len(data) > 2000, f"{path.name} is suspiciously small ({len(data)} bytes)"
 
 
 def test_full_run_writes_every_plot_and_a_matching_summary(full_run, capsys):

@@ -12,8 +12,7 @@ import pytest
 from astralight.dataflow.store import Store
 from astralight.report import main, make_report
 from astralight.report.rundata import load_run
-from tests.unit.test_eval_pass_k import _old_db
-from tests.unit.test_report import T0, assert_png, write_summary
+from tests.unit.run_folders import T0, _old_db, assert_png, write_summary
 
 TB_PLOTS = ("reward.png", "staleness.png")
 
@@ -49,7 +48,7 @@ def write_eval_db(path: Path, runs: dict[int, tuple[int, ...]], benchmarks: bool
 def name_benchmarks(run_dir: Path) -> None:
     cfg = run_dir / "configs" / "dataflow.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
-    cfg.write_text("eval:\n  source:\n    class_path: tests.unit.test_report.TwoBenchmarks\n")
+    cfg.write_text("eval:\n  source:\n    class_path: tests.unit.run_folders.TwoBenchmarks\n")
 
 
 # ---------------------------------------------------------------- TensorBoard discovery

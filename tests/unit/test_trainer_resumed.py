@@ -17,7 +17,7 @@ from astralight.dataflow.audit import audit
 from astralight.datamodules.rollout import RolloutDataModule
 from astralight.protocol import decode, encode
 from astralight.dataflow.config import DataflowConfig
-from tests.unit.test_batch_keepalive import GROUP, TIMEOUT, make, samples
+from tests.unit.batch_ack_flow import GROUP, TIMEOUT, make, samples
 
 
 def trained_batches(flow, steps):

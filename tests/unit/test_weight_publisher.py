@@ -15,40 +15,10 @@ import torch
 from safetensors.torch import load, load_file
 
 from astralight.callbacks import WeightPublisher, tensor_sha256
-from astralight.datamodules import RolloutDataModule
 from astralight.policy import M2POPolicy
 from astralight.weights import WeightState, read_full, to_bf16_bits
+from tests.unit.publisher_fit import FlushEachStep, bf16_bits, fit
 from tests.unit.trainer_fakes import FakeDataflowClient
-
-
-def fit(model_dir, fake, callbacks, max_steps, policy=None, ckpt_path=None, logger=False, lr=1e-3):
-    dm = RolloutDataModule("http://127.0.0.1:9", model_id="policy", batch_size=4)
-    dm.client = fake
-    policy = policy or M2POPolicy(str(model_dir), lr=lr)
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=logger,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks, log_every_n_steps=1)
-    fake.trainer = trainer
-    trainer.fit(policy, datamodule=dm, ckpt_path=ckpt_path)
-    return policy, trainer
-
-
-def bf16_bits(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {n: to_bf16_bits(t.detach().to(torch.bfloat16)) for n, t in module.state_dict().items()}
-
-
-class FlushEachStep(pl.Callback):
-    """Waits for each publication (placed after the publisher) and records the trainer's bf16
-    weights at that step, so every version is observable and comparable."""
-
-    def __init__(self, publisher, weights=bf16_bits):
-        self.publisher = publisher
-        self.weights = weights
-        self.at_step: dict[int, dict[str, np.ndarray]] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        assert self.publisher.flush(timeout=60)
-        self.at_step[trainer.global_step] = self.weights(pl_module.model)
 
 
 def files_of(fake, version):

@@ -1,0 +1,64 @@
+"""Fakes of the autoscaler's surroundings, shared by the autoscaler unit tests: a backend that
+records launches and retirements (:class:`FakeBackend`), the dataflow client's ``stats`` /
+``balance`` / ``drain`` (:class:`FakeDataflow`) and a clock the test moves (:class:`Clock`).
+
+Shared here so that tests never import from one another (no test module imports from a
+``test_*`` module; ``tests/unit/test_no_cross_test_imports.py`` checks it).
+"""
+
+from __future__ import annotations
+
+
+class FakeBackend:
+    def __init__(self):
+        self.running: set[str] = set()
+        self.calls: list[tuple] = []
+
+    def launch(self, instance_id, n=None):
+        self.calls.append(("launch", instance_id, n))
+        self.running.add(instance_id)
+
+    def retire(self, instance_id, n=None):
+        self.calls.append(("retire", instance_id, n))
+        self.running.discard(instance_id)
+
+    def alive(self, instance_id):
+        return instance_id in self.running
+
+    def returncode(self, instance_id):
+        return None if instance_id in self.running else -9
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+class FakeDataflow:
+    """``stats`` and ``balance`` as the routes answer them; the test sets version and report."""
+
+    def __init__(self):
+        self.version = 0
+        self.rows: dict[str, dict] = {}
+        self.next_report = None
+        self.balance_calls: list[tuple] = []
+        self.drained: list[str] = []
+
+    def stats(self):
+        return {"models": {"policy": {"current_version": self.version}},
+                "instances": list(self.rows.values())}
+
+    def balance(self, model_id, window=10, pool=None):
+        self.balance_calls.append((model_id, window, pool))
+        rep = dict(self.next_report)
+        rep["instances"] = list(self.rows.values())
+        return rep
+
+    def drain(self, instance_id):
+        self.drained.append(instance_id)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
