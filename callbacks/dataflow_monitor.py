@@ -140,6 +140,13 @@ def balance_metrics(report: dict) -> dict[str, float]:
     return out
 
 
+def _log_everywhere(trainer: pl.Trainer, metrics: dict, step: int) -> None:
+    """Log to every logger of the trainer (TensorBoard and W&B both get ``eval/*``), not only
+    the first (``trainer.logger``)."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
 class DataflowMonitor(LazyDataflowClient, pl.Callback):
     """Log the dataflow's eval results and counters for this trainer's policy.
 
@@ -201,7 +208,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
 
     def poll(self, trainer: pl.Trainer) -> dict:
         """Log new complete eval results and the current counters; returns the eval table."""
-        if trainer.logger is None or trainer.global_rank != 0:
+        if not trainer.loggers or trainer.global_rank != 0:
             return {}
         client = self.client
         try:
@@ -214,11 +221,11 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
             result = evals[version]
             if result.get("complete") and version not in self.logged_versions:
                 self.logged_versions.add(version)
-                trainer.logger.log_metrics(
-                    {"eval/avg_at_k": float(result["avg_at_k"]),
-                     "eval/pass_at_k": float(result["pass_at_k"]),
-                     "eval/version": float(version), **eval_metrics(result)},
-                    step=version * self.steps_per_version)
+                _log_everywhere(trainer,
+                                {"eval/avg_at_k": float(result["avg_at_k"]),
+                                 "eval/pass_at_k": float(result["pass_at_k"]),
+                                 "eval/version": float(version), **eval_metrics(result)},
+                                step=version * self.steps_per_version)
         stats = (all_stats.get("models") or {}).get(self.model_id, {})
         metrics = {**stat_metrics(stats), **plugin_metrics(all_stats.get("plugins"))}
         version = int(stats.get("current_version") or 0)
@@ -230,7 +237,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
                 log.warning("DataflowMonitor: no balance report (%s)", exc)
                 self.balance_every = 0
         if metrics:
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+            _log_everywhere(trainer, metrics, step=trainer.global_step)
         return evals
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -248,8 +255,8 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
             if done or last in self.logged_versions or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
-        if trainer.logger is not None:
-            trainer.logger.finalize("success")
+        for logger in trainer.loggers:
+            logger.finalize("success")
         self.close_client()
 
     # ------------------------------------------------------------------ checkpointing

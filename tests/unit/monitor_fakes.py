@@ -39,9 +39,13 @@ class RecordingLogger:
         return out
 
 
-def monitor_with(stats: dict, evals: dict | None = None):
+def monitor_with(stats: dict, evals: dict | None = None, n_loggers: int = 1):
+    """A monitor on a :class:`FakeClient` and a stand-in trainer with ``n_loggers`` recording
+    loggers (``trainer.logger`` is the first, as in Lightning)."""
     monitor = DataflowMonitor(dataflow_url="http://127.0.0.1:1", model_id="policy",
                               steps_per_version=2)
     monitor.client = FakeClient(stats, evals)
-    trainer = SimpleNamespace(logger=RecordingLogger(), global_rank=0, global_step=14)
+    loggers = [RecordingLogger() for _ in range(n_loggers)]
+    trainer = SimpleNamespace(logger=loggers[0] if loggers else None, loggers=loggers,
+                              global_rank=0, global_step=14)
     return monitor, trainer

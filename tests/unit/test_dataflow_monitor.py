@@ -66,6 +66,18 @@ def test_eval_results_logged_once_at_the_version_step():
     assert eval_calls == [({"eval/avg_at_k": 0.5, "eval/pass_at_k": 0.75, "eval/version": 4.0}, 8)]
 
 
+def test_every_logger_gets_the_eval_and_the_counters():
+    """TensorBoard plus W&B: both get eval/* and the counters (the monitor logged to
+    ``trainer.logger``, the first one, only)."""
+    evals = {4: {"complete": True, "avg_at_k": 0.5, "pass_at_k": 0.75}}
+    monitor, trainer = monitor_with(STATS, evals, n_loggers=2)
+    monitor.poll(trainer)
+    first, second = trainer.loggers
+    assert first.calls and first.calls == second.calls
+    assert second.merged()["eval/avg_at_k"] == 0.5
+    assert second.merged()["dataflow/samples_accepted"] == 96.0
+
+
 def test_tag_names_are_tensorboard_friendly():
     assert stat_metrics({"groups_filtered": 3, "unknown_key": 1}) == {"dataflow/groups_filtered": 3.0}
     out = plugin_metrics({"curators[1]": {"class": "my.pkg.Curator", "metrics": {"p/x y": 1}}})
