@@ -29,7 +29,8 @@ come from every folder of TensorBoard event files under it (``tensorboard/<name>
 
 A plot whose data is not in the run folder is skipped with its reason, never an error; a folder
 that is not a run folder is (exit status 2, naming what is missing). Nothing in RUN_DIR is
-modified except the report folder. matplotlib is needed (``pip install matplotlib``).
+modified except the report folder. The plots need matplotlib (a dependency); without it
+``summary.txt`` is still written and says why the plots are missing.
 """
 
 from __future__ import annotations
@@ -63,21 +64,25 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None,
     """Write the plots and ``summary.txt`` of ``run_dir`` into ``out_dir`` (default
     ``run_dir/report``), also reading the ``tensorboard`` folders and the dataflow DB ``db``
     when given. Raises :class:`RunFolderError` for a non-run folder (or a missing ``db`` /
-    ``tensorboard``) and :class:`~astralight.report.plots.MatplotlibMissing` without
-    matplotlib."""
+    ``tensorboard``). Without matplotlib (a dependency, so only on a broken install) every plot
+    is skipped with the reason and ``summary.txt`` is still written."""
     from astralight.report import plots
     from astralight.report.text import summary_text
 
     if window < 1:
         raise ValueError(f"--window: must be >= 1 versions, got {window}")
-    plots.require_matplotlib()
+    try:
+        plots.require_matplotlib()
+        no_plots = None
+    except plots.MatplotlibMissing as exc:  # (a dependency; a broken install still gets text)
+        no_plots = str(exc)
     data = load_run(run_dir, tensorboard=tensorboard, db=db)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir=out, data=data)
     for name, draw in plots.PLOTS:
         path = out / name
-        reason = draw(data, path, window)
+        reason = draw(data, path, window) if no_plots is None else no_plots
         if reason is None:
             report.written.append(name)
         else:
@@ -109,17 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window: must be >= 1, got {args.window}")
-    from astralight.report.plots import MatplotlibMissing
-
     try:
         report = make_report(args.run_dir, args.out, args.window, tensorboard=args.tensorboard,
                              db=args.db)
     except RunFolderError as exc:
         print(f"astralight report: {exc}", file=sys.stderr)
         return 2
-    except MatplotlibMissing as exc:
-        print(f"astralight report: {exc}", file=sys.stderr)
-        return 1
     print(report.text, end="")
     print(f"report written to {report.out_dir}")
     return 0

@@ -2,8 +2,8 @@
 
 A function draws its figure to ``path`` and returns None, or draws nothing and returns why (the
 data it needs is not in the run folder): a missing source skips a plot, it never fails the report.
-matplotlib is imported lazily through :func:`require_matplotlib` (it is an optional dependency,
-in the ``test`` extra) and drawn through ``matplotlib.figure.Figure`` directly, so no pyplot
+matplotlib (a dependency) is imported lazily through :func:`require_matplotlib`, so a command
+that draws nothing never pays for it, and drawn through ``matplotlib.figure.Figure`` directly, so no pyplot
 state or GUI backend is involved.
 """
 
@@ -35,7 +35,7 @@ def require_matplotlib() -> None:
     except ImportError:
         raise MatplotlibMissing(
             "astralight report draws its plots with matplotlib, which is not installed: "
-            "pip install matplotlib  (or pip install 'astralight[test]')") from None
+            "pip install matplotlib (a dependency of astralight: the install is broken)") from None
 
 
 def _figure(nrows: int = 1, height: float = 4.0):

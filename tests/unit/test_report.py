@@ -15,7 +15,8 @@ import pytest
 
 from astralight.dataflow.store import Store
 from astralight.report import main, make_report
-from astralight.report.plots import MatplotlibMissing, pool_timeline, rolling_ratio
+from astralight.report.plots import (MatplotlibMissing, pool_timeline, require_matplotlib,
+                                     rolling_ratio)
 from astralight.report.rundata import RunFolderError, load_run
 from tests.unit.run_folders import (ROLLOUTS, STEP_MS, T0, TRAINED, WAIT_MS, _balance, assert_png,
                                     write_summary)
@@ -211,13 +212,20 @@ def test_a_folder_that_is_not_a_run_folder_is_an_error(tmp_path, capsys):
         load_run(tmp_path)
 
 
-def test_without_matplotlib_the_error_says_how_to_install_it(full_run, monkeypatch, capsys):
+def test_without_matplotlib_the_text_summary_is_still_written(full_run, monkeypatch, capsys):
+    """matplotlib is a dependency; on a broken install the report still writes summary.txt
+    and says why every plot is missing (it used to fail and write nothing)."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(MatplotlibMissing, match="pip install matplotlib"):
-        make_report(full_run)
-    assert main([str(full_run)]) == 1
-    assert "pip install matplotlib" in capsys.readouterr().err
-    assert not (full_run / "report").exists()  # failed before writing anything
+        require_matplotlib()
+    report = make_report(full_run)
+    assert report.written == [] and report.skipped
+    assert all("pip install matplotlib" in why for why in report.skipped.values())
+    text = (full_run / "report" / "summary.txt").read_text()
+    assert text == report.text and "pip install matplotlib" in text
+    assert not list((full_run / "report").glob("*.png"))
+    assert main([str(full_run)]) == 0
+    assert "pip install matplotlib" in capsys.readouterr().out
 
 
 def test_a_multi_policy_summary_reports_each_policy(tmp_path):
