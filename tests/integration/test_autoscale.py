@@ -76,6 +76,7 @@ def rows(client) -> dict[str, dict]:
     return {r["instance_id"]: r for r in client.stats()["instances"]}
 
 
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_autoscaler_scales_up_then_drains_the_least_productive(tmp_path, tiny_model_dir,
                                                                dataflow_service):
     # max_staleness 0: every publication drops what is buffered, so a trainer that consumes
@@ -180,6 +181,7 @@ def test_autoscaler_scales_up_then_drains_the_least_productive(tmp_path, tiny_mo
         ["initial", "scale_up", "scale_down", "shutdown"]
 
 
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_launcher_runs_an_autoscaled_recipe(tmp_path):
     """``astralight run`` with ``autoscale:``: the autoscaler, not a fixed RaaS list, starts the
     instances; the run completes and its summary carries the pool history and capacity figures."""

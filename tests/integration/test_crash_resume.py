@@ -353,6 +353,7 @@ def read_pids(run_dir: Path) -> dict:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "launch.log"
@@ -396,6 +397,7 @@ def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_run_resume_completes_an_interrupted_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "launch-1.log"

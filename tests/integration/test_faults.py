@@ -75,12 +75,14 @@ def test_dataflow_kill9_and_restart(tmp_path, tiny_model_dir):
     assert dead["balanced"] and dead["samples_lost"] == 0 and dead["tasks_issued"] > 0, dead
 
 
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_raas_kill9_and_a_new_one(tmp_path, tiny_model_dir):
     r = run_scenario("raas_kill", tmp_path, tiny_model_dir, settings())
     assert_run_balanced(r)
     assert len(instances(r)) == 2  # the dead one and its replacement
 
 
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_trainer_kill9_and_resume_from_last_ckpt(tmp_path, tiny_model_dir):
     r = run_scenario("trainer_kill", tmp_path, tiny_model_dir, settings())
     assert_run_balanced(r, trained_at_least=True)

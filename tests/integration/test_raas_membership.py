@@ -129,6 +129,7 @@ def watch(tmp_path):
     return wait
 
 
+@pytest.mark.slow  # 45-75 s of real processes: CI runs it in its slow suite
 def test_kill_join_drain_and_rejoin(tmp_path, tiny_model_dir, dataflow_service, watch):
     port = free_port()
     flow_cfg = dict(port=port, group_size=2, lease_seconds=LEASE_S, max_inflight_tasks=32,
