@@ -19,9 +19,11 @@ and cannot leak in from a shell.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 import ssl
 import sys
 from pathlib import Path
@@ -129,16 +131,41 @@ def check_tls_files(config: DataflowConfig) -> None:
                          f"{config.tls_keyfile!r}: {exc}") from None
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The service's listening socket, bound before anything else starts: a port in use is a
+    ValueError naming ``port`` and the fix (``--port 0``) before the state folder is opened or an
+    eval scheduled, and uvicorn serves on this very socket (no window for another process to
+    take the port in between)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port: {host}:{port} is already in use (another dataflow service?); "
+                             "pick a free port, or --port 0 to take any free one (the ready "
+                             "line prints it)") from None
+        raise ValueError(f"host, port: cannot bind {host}:{port}: {exc}") from None
+    return sock
+
+
 def serve(config: DataflowConfig) -> None:
     credentials = Credentials.from_env(config.model_ids)
     check_bind(config.host, credentials, config.allow_insecure_public_bind,
                bool(config.tls_certfile))
     check_tls_files(config)
-    app = create_app(config, credentials=credentials)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                               access_log=False, timeout_graceful_shutdown=5, lifespan="on",
-                               ssl_certfile=config.tls_certfile, ssl_keyfile=config.tls_keyfile)
-    _Server(uv_config, app).run()
+    sock = listen_socket(config.host, config.port)
+    try:
+        app = create_app(config, credentials=credentials)
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+                                   ssl_certfile=config.tls_certfile,
+                                   ssl_keyfile=config.tls_keyfile)
+        _Server(uv_config, app).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
