@@ -120,9 +120,17 @@ class Reply:
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a task prompt: text, chat messages (chat template), or ready token ids."""
+    """Token ids of a task prompt: text, chat messages (chat template), or ready token ids.
+
+    ``add_special_tokens`` (text prompts): the tokenizer's own special tokens, and its
+    ``bos_token`` first when it has one that its post-processor does not add (many tokenizers,
+    the tiny one included, define a BOS but add none: users had to write it into the prompt)."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        bos = getattr(tokenizer, "bos_token_id", None) if add_special_tokens else None
+        if bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, int(bos))
+        return ids
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
