@@ -46,7 +46,41 @@ class AstralightCLI(LightningCLI):
         return trainer
 
 
+#: Lightning warnings that never apply to ``astralight fit`` (message prefixes): the CLI is given
+#: ``args`` on purpose (the ``fit`` subcommand is implied); the policies optimise manually and
+#: checkpoint after the step (the checkpoint holds the post-step state, which is what resume
+#: needs); Lightning's own pytree call on newer torch.
+QUIET_WARNINGS = (
+    "LightningCLI's args parameter is intended to run from within Python",
+    "Using ModelCheckpoint with manual optimization and every_n_train_steps",
+    "`isinstance(treespec, LeafSpec)` is deprecated",
+)
+#: Lightning info lines that are advertising, not information
+QUIET_INFO = ("💡 Tip: For seamless cloud logging",)
+
+
+def quiet_lightning_noise() -> None:
+    """Silence what does not apply on every ``astralight fit`` (see :data:`QUIET_WARNINGS`,
+    :data:`QUIET_INFO`); every other warning and line stays."""
+    import logging
+    import re
+    import warnings
+
+    for prefix in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(prefix))
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if _keep_record not in logger.filters:
+            logger.addFilter(_keep_record)
+
+
+def _keep_record(record) -> bool:
+    """Logging filter: False for the lines of :data:`QUIET_INFO`."""
+    return not str(record.msg).startswith(QUIET_INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
+    quiet_lightning_noise()
     AstralightCLI(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
