@@ -30,14 +30,16 @@ then sends seeded, generated bad requests over every route, each drawn from one 
   ``foreign_task`` (an instance pushing the task the other one holds: 409 ``task_id``),
   ``origin`` (any route with an ``Origin`` header, with or without a token: 403 ``origin``)
   and ``content_type`` (a registration, or another body or a weight upload, sent as text/plain,
-  a form, multipart, JSON or without a type: 415 ``content-type``). Not sent: ``bound_model``
-  (a trainer token bound to another model_id) needs a second model_id, and this service has
-  one (tests/unit/test_scopes.py covers it); ``host`` (a non-loopback ``Host``) is refused only
-  by a service without any token (tests/unit/test_browser_guards.py covers it).
+  a form, multipart, JSON or without a type: 415 ``content-type``).
 
 After the requests, ``killed_upload`` kills the service (``kill -9``) in the middle of a weight
 upload, restarts it on the same state and counts the temporary upload files left behind (each
-one an ``accepted_bad``).
+one an ``accepted_bad``); ``host`` sends requests with DNS-rebinding ``Host`` names to a second
+service that has no token (each must be 403 ``host``; :func:`host_drill`); ``bound_model``
+sends a trainer token bound to ``policy`` acting on ``other`` to a third service with both
+model_ids (each must be 403 ``model_id``; :func:`bound_model_drill`); ``token_start``
+starts the service with a blank token and on a public address with a short one (each must exit
+2 without serving; :func:`token_start_drill`).
 
 It prints ``requests``, ``status_5xx`` (must be 0), ``crashes`` (the process died or stopped
 answering ``/v1/info``: must be 0), ``accepted_bad`` (must be 0: a bad request answered 2xx --
@@ -1217,18 +1219,21 @@ def state_changes(before: dict, after: dict) -> dict:
 
 
 def start_service(tmp: Path, token: str, max_body_bytes: int, max_weight_file_bytes: int,
-                  scoped: dict[str, str] | None = None):
-    """The service on 127.0.0.1 with ``ASTRALIGHT_TOKEN`` = ``token`` and, from ``scoped``, the
-    scoped tokens ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``..._TRAINER_...`` / ``..._ADMIN_...``."""
+                  scoped: dict[str, str] | None = None, model_ids: tuple[str, ...] = ("policy",)):
+    """The service on 127.0.0.1 with ``ASTRALIGHT_TOKEN`` = ``token`` (none when empty) and,
+    from ``scoped``, the scoped tokens ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``..._TRAINER_...`` /
+    ``..._ADMIN_...``."""
     cfg = tmp / "dataflow.yaml"
     cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "state_dir": str(tmp / "state"),
                                "group_size": 2, "log_level": "ERROR", "lease_seconds": 3600,
                                "max_body_bytes": max_body_bytes,
                                "max_weight_file_bytes": max_weight_file_bytes,
-                               "temperatures": {"policy": TEMPERATURE}}))
+                               "model_ids": list(model_ids),
+                               "temperatures": {m: TEMPERATURE for m in model_ids}}))
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith("ASTRALIGHT_") and k.endswith(("_TOKEN", "_TOKEN_FILE")))}
-    env["ASTRALIGHT_TOKEN"] = token
+    if token:  # (set but empty would stop the service: a blank token is refused)
+        env["ASTRALIGHT_TOKEN"] = token
     for scope, value in (scoped or {}).items():
         env[auth.SCOPE_VARS[scope]] = value
     log = open(tmp / "dataflow.log", "wb")
@@ -1294,6 +1299,151 @@ def killed_upload(tmp: Path, token: str, proc, url: str, ctx: Context, max_body:
                     temp_files_after_restart=len(after)), proc, url)
 
 
+#: requests of the ``host`` drill (on its own service, after the main requests)
+HOST_DRILL_REQUESTS = 200
+#: Host names a DNS-rebinding page would send (the service binds 127.0.0.1)
+REBOUND_HOSTS = ("rebound.evil.example", "evil.example:8400", "attacker.test", "10.0.0.5",
+                 "127.0.0.1.evil.example", "localhost.evil.example", "[::2]")
+NO_TOKEN_ROUTES = (("GET", "/v1/info"), ("GET", "/v1/stats"), ("GET", "/v1/version/policy"),
+                   ("GET", "/v1/manifest/policy/latest"), ("POST", "/v1/register"),
+                   ("POST", "/v1/lease"), ("POST", "/v1/pull"), ("POST", "/v1/publish"))
+
+
+def host_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: int) -> Counter:
+    """``host``: a second service, without any token, must refuse every request whose ``Host``
+    is not a loopback name or its configured host (403 ``host``: DNS rebinding), on every kind
+    of route, and change nothing; a request with its real Host still works. Each 2xx, 5xx or
+    state change is an ``accepted_bad`` / ``status_5xx``."""
+    import httpx
+
+    folder = tmp / "no-token"
+    folder.mkdir()
+    proc, url = start_service(folder, "", max_body, max_file)
+    counts: Counter = Counter()
+    try:
+        with httpx.Client(base_url=url, timeout=30.0) as http:
+            before = state_of(http.get("/v1/stats").json(), "policy")
+            for _ in range(n):
+                method, path = rng.choice(NO_TOKEN_ROUTES)
+                body = pack(envelope({"model_ids": ["policy"], "capacity": 1})) \
+                    if method == "POST" else None
+                headers = {"Host": rng.choice(REBOUND_HOSTS)}
+                if body is not None:
+                    headers["Content-Type"] = "application/msgpack"
+                counts["requests"] += 1
+                try:
+                    r = http.request(method, path, content=body, headers=headers)
+                except Exception:  # noqa: BLE001 - no answer
+                    counts["no_answer"] += 1
+                    continue
+                counts[f"status_{r.status_code}"] += 1
+                if 200 <= r.status_code < 300:
+                    counts["accepted_bad"] += 1
+                elif r.status_code >= 500:
+                    counts["status_5xx"] += 1
+                elif r.status_code != 403 or refused_field(r) != "host":
+                    counts["unexpected_status"] += 1
+            alive = proc.poll() is None and http.get("/v1/info").status_code == 200
+            counts["crashes"] += 0 if alive else 1
+            if alive:
+                counts["accepted_bad"] += len(state_changes(
+                    before, state_of(http.get("/v1/stats").json(), "policy")))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return counts
+
+
+def bound_model_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: int,
+                      token: str, scoped: dict[str, str]) -> Counter:
+    """``bound_model``: on a second service with two model_ids (``policy``, ``other``), a trainer
+    token bound to ``policy`` acting on ``other`` (pull, trainer/resumed, a weight upload, a
+    publish, its eval results, balance report and counters) must be refused: 403 ``model_id``
+    (the upload: ``model_id`` too). Each 2xx, 5xx or state change is counted as bad."""
+    import httpx
+
+    folder = tmp / "two-models"
+    folder.mkdir()
+    proc, url = start_service(folder, token, max_body, max_file, scoped,
+                              model_ids=("policy", "other"))
+    bound = {"Authorization": f"Bearer {trainer_token(scoped[auth.TRAINER], 'policy')}"}
+    admin = {"Authorization": f"Bearer {token}"}
+    other_manifest = WeightManifest(model_id="other", version=1, kind="full", base_version=None,
+                                    files={"model.safetensors": {"sha256": "0" * 64, "bytes": 7}})
+    requests = [
+        ("POST", "/v1/pull", {"model_id": "other", "size": 1, "timeout_s": 0}),
+        ("POST", "/v1/trainer/resumed", {"model_id": "other", "step": 0}),
+        ("POST", "/v1/publish", raw(other_manifest)["body"]),
+        ("PUT", "/v1/weights/other/1/model.safetensors", b"weights"),
+        ("GET", "/v1/eval/other", None), ("GET", "/v1/balance/other", None),
+        ("GET", "/v1/counters/other", None)]
+    counts: Counter = Counter()
+    try:
+        with httpx.Client(base_url=url, timeout=30.0) as http:
+            before = state_of(http.get("/v1/stats", headers=admin).json(), "other")
+            for _ in range(n):
+                method, path, body = rng.choice(requests)
+                headers = dict(bound)
+                if isinstance(body, bytes):
+                    headers["Content-Type"] = "application/octet-stream"
+                elif body is not None:
+                    headers["Content-Type"] = "application/msgpack"
+                    body = pack(envelope(body))
+                counts["requests"] += 1
+                try:
+                    r = http.request(method, path, content=body, headers=headers)
+                except Exception:  # noqa: BLE001 - no answer
+                    counts["no_answer"] += 1
+                    continue
+                counts[f"status_{r.status_code}"] += 1
+                if 200 <= r.status_code < 300:
+                    counts["accepted_bad"] += 1
+                elif r.status_code >= 500:
+                    counts["status_5xx"] += 1
+                elif r.status_code != 403 or refused_field(r) != "model_id":
+                    counts["unexpected_status"] += 1
+            alive = proc.poll() is None and http.get("/v1/info", headers=admin).status_code == 200
+            counts["crashes"] += 0 if alive else 1
+            if alive:
+                counts["accepted_bad"] += len(state_changes(
+                    before, state_of(http.get("/v1/stats", headers=admin).json(), "other")))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return counts
+
+
+def token_start_drill(tmp: Path) -> Counter:
+    """``blank_token`` / ``short_public_token``: a service started with a blank
+    ``ASTRALIGHT_TOKEN``, or on a public address with a token under 16 bytes, must refuse to
+    start (exit status 2, before it serves). Each start that serves is an ``accepted_bad``."""
+    counts: Counter = Counter()
+    env_base = {k: v for k, v in os.environ.items()
+                if not (k.startswith("ASTRALIGHT_") and k.endswith(("_TOKEN", "_TOKEN_FILE")))}
+    for name, host, token in (("blank_token", "127.0.0.1", "   "),
+                              ("blank_token", "127.0.0.1", ""),
+                              ("short_public_token", "0.0.0.0", "short-token")):
+        folder = tmp / f"start-{counts['requests']}"
+        folder.mkdir()
+        cfg = folder / "dataflow.yaml"
+        cfg.write_text(json.dumps({"host": host, "port": 0, "state_dir": str(folder / "state"),
+                                   "log_level": "ERROR"}))
+        proc = subprocess.run([sys.executable, "-m", "astralight.dataflow.service", "--config",
+                               str(cfg)], env={**env_base, "ASTRALIGHT_TOKEN": token},
+                              capture_output=True, text=True, timeout=60)
+        counts["requests"] += 1
+        counts[f"{name}_exit_{proc.returncode}"] += 1
+        if "serving on" in proc.stdout or proc.returncode != 2:
+            counts["accepted_bad"] += 1
+    return counts
+
+
 def run(requests: int, seed: int, check_every: int = 250) -> dict:
     import httpx
 
@@ -1356,6 +1506,24 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
                 accepted_bad += counts["temp_files_after_restart"]
                 with httpx.Client(base_url=url, timeout=30.0) as http:
                     crashes += 0 if healthy(http, ctx, proc) else 1
+            host = host_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file)
+            per_cat["host"] = host
+            status_5xx += host["status_5xx"]
+            accepted_bad += host["accepted_bad"]
+            crashes += host["crashes"]
+            no_answer += host["no_answer"]
+            unexpected += host["unexpected_status"]
+            bound = bound_model_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file,
+                                      token, scoped)
+            per_cat["bound_model"] = bound
+            status_5xx += bound["status_5xx"]
+            accepted_bad += bound["accepted_bad"]
+            crashes += bound["crashes"]
+            no_answer += bound["no_answer"]
+            unexpected += bound["unexpected_status"]
+            starts = token_start_drill(Path(tmp))
+            per_cat["token_start"] = starts
+            accepted_bad += starts["accepted_bad"]
         finally:
             proc.terminate()
             try:
