@@ -26,6 +26,24 @@ import sys
 USAGE = __doc__.replace("``", "")
 
 
+def flag_style(argv: list[str], dashes: bool) -> list[str]:
+    """``argv`` with every ``--option`` name written in one style: dashes (``--run-dir``, the
+    launcher's and the tools' own flags) or underscores (``--trainer.max_steps``: the config keys
+    of ``fit`` and the services, which are Python names). Either spelling is accepted on every
+    sub-command; the docs use dashes for astralight's own flags and underscores for config keys.
+    Values (after ``=`` or as their own word) and anything after ``--`` are left alone."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg[2:].partition("=")
+            name = name.replace("_", "-") if dashes else name.replace("-", "_")
+            arg = f"--{name}{eq}{value}"
+        out.append(arg)
+    return out
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -51,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"astralight {_version()}")
         return 0
     command, rest = argv[0], argv[1:]
+    # argparse sub-commands spell flags with dashes, the jsonargparse ones (config keys) with
+    # underscores: accept both (see flag_style)
+    rest = flag_style(rest, dashes=command not in ("dataflow", "raas", "fit"))
     if command == "run":
         from astralight.launch import main as run_main
 

@@ -45,3 +45,25 @@ def test_a_typo_in_a_trainer_config_names_the_key_and_the_real_program(tmp_path,
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "trainer.max_step" in err and "astralight fit --help" in err and "cli.py" not in err
+
+
+def test_flags_are_accepted_with_dashes_or_underscores(tmp_path):
+    from astralight.cli import flag_style
+
+    assert flag_style(["--run_dir", "a_b", "--export_configs=x_y", "recipe_1.yaml"], dashes=True) == [
+        "--run-dir", "a_b", "--export-configs=x_y", "recipe_1.yaml"]
+    assert flag_style(["--trainer.max-steps", "3", "--print-config", "--", "--keep-me"],
+                      dashes=False) == ["--trainer.max_steps", "3", "--print_config", "--",
+                                        "--keep-me"]
+    # through the command: the launcher's own flag spelled with an underscore
+    assert main(["run", "--export_configs", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "trainer.yaml").exists()
+
+
+def test_a_config_key_spelled_with_dashes_reaches_fit(tmp_path, capsys):
+    """``--trainer.max-step`` is the same key as ``--trainer.max_step``: the typo is still named."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "configs" / "toy" / "trainer.yaml"),
+              "--trainer.max-stepz", "3"])
+    assert info.value.code == 2
+    assert "trainer.max_stepz" in capsys.readouterr().err
