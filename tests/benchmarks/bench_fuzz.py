@@ -1309,27 +1309,20 @@ NO_TOKEN_ROUTES = (("GET", "/v1/info"), ("GET", "/v1/stats"), ("GET", "/v1/versi
                    ("POST", "/v1/lease"), ("POST", "/v1/pull"), ("POST", "/v1/publish"))
 
 
-def host_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: int) -> Counter:
-    """``host``: a second service, without any token, must refuse every request whose ``Host``
-    is not a loopback name or its configured host (403 ``host``: DNS rebinding), on every kind
-    of route, and change nothing; a request with its real Host still works. Each 2xx, 5xx or
-    state change is an ``accepted_bad`` / ``status_5xx``."""
+def _refusal_drill(proc, url: str, model_id: str, admin: dict, n: int,
+                   draw: Callable[[], tuple[str, str, Any, dict]], field: str) -> Counter:
+    """Send ``n`` requests ``draw()`` (method, path, body, headers) to the service ``proc`` at
+    ``url``; each must be 403 naming ``field`` and change nothing. A 2xx or a state change of
+    ``model_id`` is an ``accepted_bad``, another refusal an ``unexpected_status``. Stops the
+    service."""
     import httpx
 
-    folder = tmp / "no-token"
-    folder.mkdir()
-    proc, url = start_service(folder, "", max_body, max_file)
     counts: Counter = Counter()
     try:
         with httpx.Client(base_url=url, timeout=30.0) as http:
-            before = state_of(http.get("/v1/stats").json(), "policy")
+            before = state_of(http.get("/v1/stats", headers=admin).json(), model_id)
             for _ in range(n):
-                method, path = rng.choice(NO_TOKEN_ROUTES)
-                body = pack(envelope({"model_ids": ["policy"], "capacity": 1})) \
-                    if method == "POST" else None
-                headers = {"Host": rng.choice(REBOUND_HOSTS)}
-                if body is not None:
-                    headers["Content-Type"] = "application/msgpack"
+                method, path, body, headers = draw()
                 counts["requests"] += 1
                 try:
                     r = http.request(method, path, content=body, headers=headers)
@@ -1341,13 +1334,13 @@ def host_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: i
                     counts["accepted_bad"] += 1
                 elif r.status_code >= 500:
                     counts["status_5xx"] += 1
-                elif r.status_code != 403 or refused_field(r) != "host":
+                elif r.status_code != 403 or refused_field(r) != field:
                     counts["unexpected_status"] += 1
-            alive = proc.poll() is None and http.get("/v1/info").status_code == 200
+            alive = proc.poll() is None and http.get("/v1/info", headers=admin).status_code == 200
             counts["crashes"] += 0 if alive else 1
             if alive:
                 counts["accepted_bad"] += len(state_changes(
-                    before, state_of(http.get("/v1/stats").json(), "policy")))
+                    before, state_of(http.get("/v1/stats", headers=admin).json(), model_id)))
     finally:
         proc.terminate()
         try:
@@ -1357,20 +1350,35 @@ def host_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: i
     return counts
 
 
+def host_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: int) -> Counter:
+    """``host``: a second service, without any token, must refuse every request whose ``Host``
+    is not a loopback name or its configured host (403 ``host``: DNS rebinding), on every kind
+    of route, and change nothing."""
+    folder = tmp / "no-token"
+    folder.mkdir()
+    proc, url = start_service(folder, "", max_body, max_file)
+
+    def draw():
+        method, path = rng.choice(NO_TOKEN_ROUTES)
+        headers = {"Host": rng.choice(REBOUND_HOSTS)}
+        if method != "POST":
+            return method, path, None, headers
+        headers["Content-Type"] = "application/msgpack"
+        return method, path, pack(envelope({"model_ids": ["policy"], "capacity": 1})), headers
+
+    return _refusal_drill(proc, url, "policy", {}, n, draw, "host")
+
+
 def bound_model_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_file: int,
                       token: str, scoped: dict[str, str]) -> Counter:
     """``bound_model``: on a second service with two model_ids (``policy``, ``other``), a trainer
     token bound to ``policy`` acting on ``other`` (pull, trainer/resumed, a weight upload, a
-    publish, its eval results, balance report and counters) must be refused: 403 ``model_id``
-    (the upload: ``model_id`` too). Each 2xx, 5xx or state change is counted as bad."""
-    import httpx
-
+    publish, its eval results, balance report and counters) must be refused: 403 ``model_id``."""
     folder = tmp / "two-models"
     folder.mkdir()
     proc, url = start_service(folder, token, max_body, max_file, scoped,
                               model_ids=("policy", "other"))
     bound = {"Authorization": f"Bearer {trainer_token(scoped[auth.TRAINER], 'policy')}"}
-    admin = {"Authorization": f"Bearer {token}"}
     other_manifest = WeightManifest(model_id="other", version=1, kind="full", base_version=None,
                                     files={"model.safetensors": {"sha256": "0" * 64, "bytes": 7}})
     requests = [
@@ -1380,43 +1388,19 @@ def bound_model_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_
         ("PUT", "/v1/weights/other/1/model.safetensors", b"weights"),
         ("GET", "/v1/eval/other", None), ("GET", "/v1/balance/other", None),
         ("GET", "/v1/counters/other", None)]
-    counts: Counter = Counter()
-    try:
-        with httpx.Client(base_url=url, timeout=30.0) as http:
-            before = state_of(http.get("/v1/stats", headers=admin).json(), "other")
-            for _ in range(n):
-                method, path, body = rng.choice(requests)
-                headers = dict(bound)
-                if isinstance(body, bytes):
-                    headers["Content-Type"] = "application/octet-stream"
-                elif body is not None:
-                    headers["Content-Type"] = "application/msgpack"
-                    body = pack(envelope(body))
-                counts["requests"] += 1
-                try:
-                    r = http.request(method, path, content=body, headers=headers)
-                except Exception:  # noqa: BLE001 - no answer
-                    counts["no_answer"] += 1
-                    continue
-                counts[f"status_{r.status_code}"] += 1
-                if 200 <= r.status_code < 300:
-                    counts["accepted_bad"] += 1
-                elif r.status_code >= 500:
-                    counts["status_5xx"] += 1
-                elif r.status_code != 403 or refused_field(r) != "model_id":
-                    counts["unexpected_status"] += 1
-            alive = proc.poll() is None and http.get("/v1/info", headers=admin).status_code == 200
-            counts["crashes"] += 0 if alive else 1
-            if alive:
-                counts["accepted_bad"] += len(state_changes(
-                    before, state_of(http.get("/v1/stats", headers=admin).json(), "other")))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return counts
+
+    def draw():
+        method, path, body = rng.choice(requests)
+        headers = dict(bound)
+        if isinstance(body, bytes):
+            headers["Content-Type"] = "application/octet-stream"
+        elif body is not None:
+            headers["Content-Type"] = "application/msgpack"
+            body = pack(envelope(body))
+        return method, path, body, headers
+
+    return _refusal_drill(proc, url, "other", {"Authorization": f"Bearer {token}"}, n, draw,
+                          "model_id")
 
 
 def token_start_drill(tmp: Path) -> Counter:
@@ -1506,21 +1490,15 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
                 accepted_bad += counts["temp_files_after_restart"]
                 with httpx.Client(base_url=url, timeout=30.0) as http:
                     crashes += 0 if healthy(http, ctx, proc) else 1
-            host = host_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file)
-            per_cat["host"] = host
-            status_5xx += host["status_5xx"]
-            accepted_bad += host["accepted_bad"]
-            crashes += host["crashes"]
-            no_answer += host["no_answer"]
-            unexpected += host["unexpected_status"]
-            bound = bound_model_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file,
-                                      token, scoped)
-            per_cat["bound_model"] = bound
-            status_5xx += bound["status_5xx"]
-            accepted_bad += bound["accepted_bad"]
-            crashes += bound["crashes"]
-            no_answer += bound["no_answer"]
-            unexpected += bound["unexpected_status"]
+            per_cat["host"] = host_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file)
+            per_cat["bound_model"] = bound_model_drill(Path(tmp), rng, HOST_DRILL_REQUESTS,
+                                                       max_body, max_file, token, scoped)
+            for drill in (per_cat["host"], per_cat["bound_model"]):
+                status_5xx += drill["status_5xx"]
+                accepted_bad += drill["accepted_bad"]
+                crashes += drill["crashes"]
+                no_answer += drill["no_answer"]
+                unexpected += drill["unexpected_status"]
             starts = token_start_drill(Path(tmp))
             per_cat["token_start"] = starts
             accepted_bad += starts["accepted_bad"]
