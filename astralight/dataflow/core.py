@@ -814,6 +814,7 @@ class Dataflow:
             raise ServiceError(422, "samples", f"{len(samples)} samples for one task exceeds "
                                                f"n * len(model_ids) * max_samples_per_rollout = {limit}")
         seen = set()
+        limits: dict[str, tuple] = {}
         for i, s in enumerate(samples):
             if not isinstance(s, Sample):
                 raise ServiceError(422, f"samples[{i}]", "expected a Sample")
@@ -828,12 +829,15 @@ class Dataflow:
                 raise ServiceError(422, f"samples[{i}].sample_index",
                                    f"sample_index {s.sample_index} of {s.model_id!r} repeats")
             seen.add(key)
-            self._validate_sample(i, s, instance_id, train=row["kind"] == "train")
+            if s.model_id not in limits:  # once per policy and push, not per sample
+                limits[s.model_id] = self._sample_limits(instance_id, s.model_id)
+            self._validate_sample(i, s, limits[s.model_id], train=row["kind"] == "train")
 
-    def _validate_sample(self, i: int, s: Sample, instance_id: str, train: bool) -> None:
-        """One sample's checks (see :meth:`_validate_samples`)."""
+    def _validate_sample(self, i: int, s: Sample, limits: tuple, train: bool) -> None:
+        """One sample's checks (see :meth:`_validate_samples`); ``limits``: its policy's
+        :meth:`_sample_limits` for the pushing instance."""
         at = f"samples[{i}]"
-        vocab, vsrc, max_len, lsrc = self._sample_limits(instance_id, s.model_id)
+        vocab, vsrc, max_len, lsrc = limits
         ids = s.token_ids
         if max_len is not None and ids.size > max_len:
             raise ServiceError(422, f"{at}.token_ids", (
