@@ -3,6 +3,8 @@
     astralight run [RECIPE.yaml]                 start everything on this machine (the launcher)
     astralight --version                         the installed version
     astralight run --resume RUN_DIR              continue an interrupted run folder
+    astralight run --check [RECIPE.yaml]         check the recipe, every component config and
+                                                 local path in seconds; starts nothing
     astralight dataflow serve --config X.yaml    the dataflow service
     astralight raas serve --dataflow URL --config X.yaml   a rollout service
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
@@ -16,11 +18,18 @@
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
 ``astralight raas`` never imports Lightning.
+
+A broken torch extension (vLLM's CPU wheel installs CUDA builds of torchvision, torchaudio and
+torchcodec next to the CPU torch; Lightning's torchmetrics and transformers import them) fails
+deep inside an import, e.g. ``RuntimeError: operator torchvision::nms does not exist``; every
+sub-command turns that into one line with the fix (:data:`TORCH_EXTRAS_FIX`) and exit status 2.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
+from pathlib import Path
 
 #: what ``astralight --help`` prints: the docstring as plain text (no reST markup)
 USAGE = __doc__.replace("``", "")
@@ -53,15 +62,80 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+#: torch extension packages that vLLM's CPU wheel pulls in as CUDA builds (PyPI has no CPU
+#: build of them for the pinned torch 2.13.0+cpu: its torchvision 0.28.0 links libcudart.so.13)
+TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+#: the one-line fix for a broken torch extension (the README's install step)
+TORCH_EXTRAS_FIX = "pip uninstall -y torchvision torchaudio torchcodec"
+
+
+def broken_torch_extra(exc: BaseException) -> tuple[str, BaseException] | None:
+    """``(package, the exception that shows it)`` when a failure came from a broken torch
+    extension (one of :data:`TORCH_EXTRAS`), else None.
+
+    A broken build shows as ``operator torchvision::nms does not exist`` (its ops never
+    registered), or as any exception raised inside one of those packages (a missing CUDA
+    library, an undefined symbol) while something imported it; transformers re-raises it as a
+    vague "Could not import module", so the causes are followed too. Only the exception and its
+    causes are looked at, so this costs nothing until something has failed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RuntimeError, OSError, ImportError, AttributeError)):
+            text = str(exc)
+            for name in TORCH_EXTRAS:
+                if f"{name}::" in text:
+                    return name, exc
+            for frame, _ in traceback.walk_tb(exc.__traceback__):
+                parts = Path(frame.f_code.co_filename).parts
+                for name in TORCH_EXTRAS:
+                    if name in parts:
+                        return name, exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _torch_extra_error(command: str, name: str, exc: BaseException) -> int:
+    """Say what broke, and the fix on a line of its own (stderr); exit status 2."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    print(f"astralight {command}: the installed {name} does not match torch "
+          f"({type(exc).__name__}: {first[:200]}). vLLM's CPU wheel installs CUDA builds of "
+          "torchvision, torchaudio and torchcodec that break imports; astralight needs none of "
+          f"them. Fix:\n    {TORCH_EXTRAS_FIX}", file=sys.stderr)
+    return 2
+
+
 def _fit(argv: list[str]) -> int:
+    from astralight.dataflow.client import DataflowStopped, DataflowUnreachable, wake_on_sigterm
     from astralight.trainer_cli import main as fit_main
 
-    fit_main(argv)
+    wake_on_sigterm()  # a SIGTERM wakes a wait for an unreachable dataflow (see the client)
+    try:
+        fit_main(argv)
+    except DataflowStopped as exc:
+        print(f"astralight fit: stopped: {exc}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as the signal's default action would have ended it
+    except DataflowUnreachable as exc:
+        print(f"astralight fit: {exc}. Is the dataflow service running at that address? (the "
+              "trainer config's data.init_args.dataflow_url)", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; returns the exit status (2: usage error, or a broken torch
+    extension: see :func:`broken_torch_extra`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except (RuntimeError, OSError, ImportError, AttributeError) as exc:
+        found = broken_torch_extra(exc)
+        if found is None:
+            raise
+        return _torch_extra_error(argv[0] if argv else "", *found)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

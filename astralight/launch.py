@@ -7,12 +7,12 @@ line, and on completion (or Ctrl-C, or a component failing) stops them in order:
 rollout services, dataflow. The run folder keeps configs, logs, TensorBoard events,
 checkpoints and the dataflow's SQLite state.
 
-Recipe placeholders, substituted in every string value: ``{run_dir}``, ``{dataflow_url}``,
-``{init_model}`` (what the ``prepare`` step built), ``{seed}``.
-
-Recipe inheritance: ``extends: PATH`` (relative to the recipe's own folder) names a parent recipe;
-the child is deep-merged onto it (mappings merge key by key, anything else, lists included,
-replaces), so a variant states only what it changes (``configs/toy/algorithms/*.yaml``).
+Reading the recipe -- its placeholders (``{run_dir}``, ``{dataflow_url}``, ``{init_model}``,
+``{seed}``), ``extends`` inheritance (lists replace; a mapping over a list merges the entries it
+picks by index or model_id), ``pythonpath`` and the typed schema of its keys -- is
+:mod:`astralight.recipe` (schema: :mod:`astralight.recipe_schema`). Before anything starts, the
+launcher checks every component config and every local model and data path
+(:mod:`astralight.check`; alone: ``astralight run --check RECIPE``).
 
 Tokens: the components inherit the launcher's environment. With scoped tokens set
 (``ASTRALIGHT_ROLLOUT_TOKEN``, ``ASTRALIGHT_TRAINER_TOKEN``, ``ASTRALIGHT_ADMIN_TOKEN``, or their
@@ -23,8 +23,20 @@ the progress view reads the dataflow with the admin token (:mod:`astralight.data
 Without scoped tokens ``ASTRALIGHT_TOKEN`` reaches every process as before.
 
 Every ``balance.every`` versions (default 10) the dataflow's balance report (trainer wait
-fraction, produced / accepted / consumed, the pool decision) is appended to ``balance.txt`` in the
-run folder; the last one is in the summary.
+fraction, produced / accepted / consumed, the pool decision) is appended to the run folder, a
+readable line to ``balance.txt`` and the report to ``balance.jsonl``, in windows that neither skip
+nor repeat a version, the last (partial) one at the end of the run; with a fixed pool the decision
+is marked advice only (:mod:`astralight.run_balance`). The last one is in the summary.
+
+Stopping (:mod:`astralight.run_stop`): at ``stop.versions`` (derived from the trainer's
+``max_steps`` when not set), ``stop.max_wall_s``, ``stop.target_accuracy`` or ``stop.timeout_s``,
+every stop goes the same way: trainers still running get SIGTERM (they save their last checkpoint
+and publish their last version), the last version of each policy is evaluated whatever
+``eval.every`` says, and the summary is written with ``stop_reason``; a timeout then fails the run.
+
+Output: progress lines with a rate and an ETA (:mod:`astralight.run_progress`), everything the
+launcher prints also in ``RUN/launch.log`` (:mod:`astralight.launch_log`), the full record in
+``RUN/summary.json`` and one short JSON line printed last (:mod:`astralight.run_summary`).
 
 Elastic pool: with ``autoscale: {min_instances, max_instances, initial, cooldown_s, every, ...}``
 the launcher starts ``astralight autoscale`` (local processes, the recipe's ``raas[0]`` as every
@@ -77,24 +89,31 @@ from typing import Any
 
 import yaml
 
+from astralight.launch_log import current_launch_log, kept_in_launch_log
 from astralight.proc import spawn
-from astralight.supervise import (
-    GiveUp,
-    RestartEvent,
-    SuperviseError,
-    Supervisor,
-    supervise_settings,
+from astralight.recipe import (
+    RecipeError,
+    autoscale_settings,
+    load_recipe,
+    substitute,
+    supervise_settings_checked,
+    use_pythonpath,
+    with_pythonpath,
 )
+from astralight.run_balance import AUTOSCALE, FIXED, BalanceLog
+from astralight.run_progress import ProgressRate, progress_line
+from astralight.run_stop import (TIMEOUT, StopConditions, StopError, StopSequence,
+                                 resolve_versions, stop_settings)
+from astralight.run_summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
+                                    read_pool_history, short_line, trainer_wait_fraction,
+                                    wall_s_to_accuracy, write_summary)
+from astralight.supervise import GiveUp, RestartEvent, Supervisor
 
 def _default_recipe() -> Path:
     """The embedded toy recipe (examples/toy/recipe.yaml, installed as package astralight.toy)."""
     import astralight.toy
 
     return Path(astralight.toy.__file__).resolve().parent / "recipe.yaml"
-
-
-class RecipeError(ValueError):
-    """The recipe is not usable; the message names the key and the fix."""
 
 
 @dataclass
@@ -176,6 +195,15 @@ class Component:
         now = time.time() if now is None else now
         return sum((end if end is not None else now) - start for start, end in self.lifetimes)
 
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the running process and return at once (nothing when it is gone):
+        the stop sequence's polite SIGTERM to a trainer, which then finishes on its own."""
+        if self.alive():
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         if self.proc is None:
             return None
@@ -205,140 +233,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _substitute(obj: Any, values: dict[str, str]) -> Any:
-    if isinstance(obj, str):
-        for key, value in values.items():
-            obj = obj.replace("{" + key + "}", str(value))
-        return obj
-    if isinstance(obj, dict):
-        return {k: _substitute(v, values) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_substitute(v, values) for v in obj]
-    return obj
-
-
-def deep_merge(parent: Any, child: Any) -> Any:
-    """``child`` laid over ``parent``: mappings merge key by key, anything else replaces.
-
-    Lists replace rather than concatenate, so a variant can shorten a list as well as extend it.
-    Neither input is modified.
-    """
-    if isinstance(parent, dict) and isinstance(child, dict):
-        out = copy.deepcopy(parent)
-        for key, value in child.items():
-            out[key] = deep_merge(parent[key], value) if key in parent else copy.deepcopy(value)
-        return out
-    return copy.deepcopy(child)
-
-
-def _read_recipe_file(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise RecipeError(f"recipe: cannot read {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe: {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"recipe: {path} must hold a mapping")
-    return data
-
-
-def resolve_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
-    """Read a recipe and the chain of recipes it ``extends``, merged, without ``extends``.
-
-    ``extends`` is relative to the folder of the file that says it. A missing parent or a cycle
-    raises RecipeError naming ``recipe.extends`` and the file.
-    """
-    path = Path(path)
-    resolved = path.resolve()
-    if resolved in _chain:
-        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
-        raise RecipeError(f"recipe.extends: cycle of recipes {cycle}; remove one of the extends")
-    recipe = _read_recipe_file(path)
-    parent_ref = recipe.pop("extends", None)
-    if parent_ref is None:
-        return recipe
-    if not isinstance(parent_ref, str) or not parent_ref:
-        raise RecipeError(f"recipe.extends: in {path} must be a path (relative to {path.parent}), "
-                          f"got {parent_ref!r}")
-    parent_path = Path(parent_ref)
-    if not parent_path.is_absolute():
-        parent_path = resolved.parent / parent_path
-    if not parent_path.is_file():
-        raise RecipeError(f"recipe.extends: {parent_ref!r} in {path} names {parent_path}, "
-                          f"which does not exist (the path is relative to the recipe's folder)")
-    return deep_merge(resolve_recipe(parent_path, (*_chain, resolved)), recipe)
-
-
-def load_recipe(path: Path) -> dict:
-    """Read and check a recipe (its ``extends`` chain merged); every problem names its key."""
-    recipe = resolve_recipe(Path(path))
-    for key in ("dataflow", "raas", "trainers", "stop"):
-        if key not in recipe:
-            raise RecipeError(f"recipe.{key}: missing in {path}")
-    if not isinstance(recipe["raas"], list) or not recipe["raas"]:
-        raise RecipeError("recipe.raas: must be a non-empty list of RaaS configs")
-    if not isinstance(recipe["trainers"], list) or not recipe["trainers"]:
-        raise RecipeError("recipe.trainers: must be a non-empty list of trainer configs")
-    stop = recipe["stop"]
-    if not isinstance(stop, dict):
-        raise RecipeError("recipe.stop: must be a mapping with at least `versions`")
-    if not isinstance(recipe["dataflow"], dict):
-        raise RecipeError("recipe.dataflow: must be a mapping (the dataflow service's config)")
-    if not isinstance(stop.get("versions"), int) or stop["versions"] < 1:
-        raise RecipeError("recipe.stop.versions: must be a positive int (trainer versions to run)")
-    if recipe.get("autoscale") is not None:
-        autoscale_settings(recipe["autoscale"])
-    every = (recipe["dataflow"].get("eval") or {}).get("every")
-    if every and stop["versions"] % every:
-        raise RecipeError(
-            f"recipe.stop.versions: {stop['versions']} is not a multiple of dataflow.eval.every "
-            f"({every}), so the final version would never be evaluated; make it one"
-        )
-    return recipe
-
-
-#: recipe.autoscale keys and their defaults (the autoscaler's flags, see astralight.autoscale)
-AUTOSCALE_DEFAULTS = {"min_instances": 1, "max_instances": 4, "initial": None, "cooldown_s": 120.0,
-                      "every": 10, "poll_s": 2.0, "drain_timeout_s": 60.0, "kill_after_s": 30.0,
-                      "replace_backoff_s": 10.0}
-
-
-def autoscale_settings(spec: Any) -> dict:
-    """``recipe.autoscale`` with defaults filled in, checked; problems name the key."""
-    if not isinstance(spec, dict):
-        raise RecipeError("recipe.autoscale: must be a mapping, e.g. {min_instances: 1, "
-                          "max_instances: 3, every: 5}")
-    unknown = sorted(set(spec) - set(AUTOSCALE_DEFAULTS))
-    if unknown:
-        raise RecipeError(f"recipe.autoscale.{unknown[0]}: unknown key; known: "
-                          f"{', '.join(AUTOSCALE_DEFAULTS)}")
-    out = {**AUTOSCALE_DEFAULTS, **spec}
-    for key in ("min_instances", "max_instances", "every"):
-        if isinstance(out[key], bool) or not isinstance(out[key], int):
-            raise RecipeError(f"recipe.autoscale.{key}: must be an int, got {out[key]!r}")
-    for key in ("cooldown_s", "poll_s", "drain_timeout_s", "kill_after_s", "replace_backoff_s"):
-        if isinstance(out[key], bool) or not isinstance(out[key], (int, float)) or out[key] < 0:
-            raise RecipeError(f"recipe.autoscale.{key}: must be a number of seconds >= 0, "
-                              f"got {out[key]!r}")
-    if out["poll_s"] == 0:
-        raise RecipeError("recipe.autoscale.poll_s: must be > 0 seconds")
-    if out["every"] < 1:
-        raise RecipeError(f"recipe.autoscale.every: must be >= 1 versions, got {out['every']}")
-    if out["min_instances"] < 0:
-        raise RecipeError(f"recipe.autoscale.min_instances: must be >= 0, got {out['min_instances']}")
-    if out["max_instances"] < max(out["min_instances"], 1):
-        raise RecipeError(f"recipe.autoscale.max_instances: must be >= min_instances "
-                          f"({out['min_instances']}) and >= 1, got {out['max_instances']}")
-    initial = out["initial"]
-    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int)
-                                or not out["min_instances"] <= initial <= out["max_instances"]):
-        raise RecipeError(f"recipe.autoscale.initial: must be an int within min_instances.."
-                          f"max_instances ({out['min_instances']}..{out['max_instances']}), "
-                          f"got {initial!r}")
-    return out
 
 
 def autoscale_argv(settings: dict, url: str, raas_config: str, model_id: str,
@@ -431,180 +325,39 @@ def _per_version_counters(url: str, model_id: str) -> dict | None:
     return versions if isinstance(versions, dict) else None
 
 
-def _balance_report(url: str, model_id: str, window: int, path: Path) -> dict | None:
-    """Fetch the dataflow's balance report and append it to ``path`` (one readable line and the
-    JSON); None when the route is unavailable (the run goes on)."""
+def _balance_report(url: str, model_id: str, window: int, last: int) -> dict | None:
+    """The dataflow's balance report over the ``window`` versions up to ``last``
+    (:class:`astralight.run_balance.BalanceLog` writes it); None when the route is unavailable
+    (the run goes on)."""
     try:
-        report = _get_json(f"{url}/v1/balance/{model_id}?window={window}")
+        return _get_json(f"{url}/v1/balance/{model_id}?window={int(window)}&last={int(last)}")
     except Exception as exc:
         print(f"[launch] balance report not available ({exc})", flush=True)
         return None
-    d = report.get("decision") or {}
-    line = (f"versions {report['versions'][0]}..{report['versions'][1]}: wait fraction "
-            f"{report['wait_fraction']:.1%}, produced {report['produced']}, accepted "
-            f"{report['accepted']}, consumed {report['consumed']}, stale {report['stale']}, "
-            f"weight pause {report.get('weight_pause_s', 0):.2f}s (RaaS total), "
-            f"pool {d.get('pool')} -> {d.get('action')} {d.get('target')} ({d.get('reason')})")
-    with open(path, "a") as f:
-        f.write(line + "\n" + json.dumps(report) + "\n")
-    return report
 
 
-def _policy_stats(stats: dict, model_id: str) -> dict:
-    return (stats.get("models") or {}).get(model_id, {})
+def _eval_requester(url: str):
+    """``request(model_id, version) -> bool``: ask the dataflow to evaluate that version now
+    (``POST /v1/eval``, whatever ``eval.every`` says); True once accepted. A refusal is printed
+    once per version (the stop sequence asks again at its next step)."""
+    from astralight.dataflow.auth import admin_token
+    from astralight.dataflow.client import DataflowClient
 
+    told: set[tuple[str, int]] = set()
 
-def _progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, dict],
-                   model_id: str) -> str:
-    pol = _policy_stats(stats, model_id)
-    version = pol.get("current_version", 0)
-    done = [v for v, r in sorted(evals.items()) if r.get("complete")]
-    eval_text = ""
-    if done:
-        first, last = evals[done[0]], evals[done[-1]]
-        eval_text = (f" | eval v{done[0]} {100 * first['avg_at_k']:.1f}%"
-                     f" -> v{done[-1]} {100 * last['avg_at_k']:.1f}%")
-    trained = pol.get("samples_trained", pol.get("samples_acked", 0))
-    rollouts = pol.get("rollouts_generated")
-    rollout_text = f" | rollouts {rollouts}" if rollouts is not None else ""
-    instances = stats.get("instances") or []
-    if instances and all("live" in r for r in instances):  # the pool size, as it changes
-        rollout_text += f" | raas {sum(1 for r in instances if r['live'])}"
-    return (f"[{elapsed:6.0f}s] version {version}/{target}"
-            f" | trained {trained}{rollout_text}"
-            f" | accepted {pol.get('samples_accepted', 0)}"
-            f" | queued {pol.get('queue_depth', 0)}"
-            f" | stale {pol.get('stale_dropped', 0)}{eval_text}")
-
-
-def _final_eval(evals: dict[int, dict]) -> dict:
-    """A policy's first and last complete evaluation (accuracy, and team accuracy if any)."""
-    complete = sorted(v for v, r in evals.items() if r.get("complete"))
-    if not complete:
-        return {"eval_versions": []}
-    first, last = evals[complete[0]], evals[complete[-1]]
-    out = {"eval_versions": complete, "eval_accuracy_start": first["avg_at_k"],
-           "eval_accuracy_end": last["avg_at_k"], "version_end": complete[-1]}
-    if "team_accuracy" in last:
-        out.update(team_accuracy_start=first.get("team_accuracy"),
-                   team_accuracy_end=last["team_accuracy"])
-    if "tool_call_rate" in last:
-        out.update(tool_call_rate_start=first.get("tool_call_rate"),
-                   tool_call_rate_end=last["tool_call_rate"])
-    return out
-
-
-def rollout_capacity_seconds(instances: list[dict] | None) -> float | None:
-    """Sum over the dataflow's instance table of ``alive_s x capacity_units``: what the rollout
-    pool cost, in capacity-unit seconds (None when the table does not say how long each lived)."""
-    if not instances:
-        return None
-    total = 0.0
-    for row in instances:
-        if row.get("alive_s") is None:
-            return None
-        total += float(row["alive_s"]) * float(row.get("capacity_units") or 1.0)
-    return round(total, 1)
-
-
-def read_pool_history(path: Path) -> list[dict] | None:
-    """The autoscaler's decisions (its JSON-lines log), None when there is none."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    out = []
-    for line in lines:
+    def request(model_id: str, version: int) -> bool:
         try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        out.append({k: entry.get(k) for k in ("time", "version", "action", "pool", "target",
-                                              "launched", "retire", "reason", "errors")})
-    return out
+            with DataflowClient(url, token=admin_token(), retry_s=2.0, timeout=10.0) as client:
+                client.request_eval(model_id, version)
+            return True
+        except Exception as exc:
+            if (model_id, version) not in told:
+                told.add((model_id, version))
+                print(f"[launch] evaluation of {model_id} v{version} not scheduled yet ({exc})",
+                      flush=True)
+            return False
 
-
-def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None, model_id: str,
-                  target: int) -> dict:
-    """The run's summary (without ``wall_s`` / ``run_dir``) from the dataflow's last word.
-
-    ``samples_trained`` counts fresh and replayed samples in acknowledged batches (what the
-    trainer stepped on); ``rollouts_generated`` counts train samples the rollout services
-    produced, before any filter (the rollout cost); ``counters`` is the policy's whole stats entry;
-    ``per_version`` its counters per version (``{"<v>": {name: int}}``, None when unknown).
-    """
-    complete = sorted(v for v, r in evals.items() if r.get("complete"))
-    pol = _policy_stats(stats, model_id)
-    final = evals[target] if target in complete else None
-    start = evals[complete[0]] if complete else None
-    tools = {}
-    if start is not None and "tool_call_rate" in start:  # a tool-calling workflow
-        tools = {"tool_call_rate_start": start["tool_call_rate"],
-                 "tool_call_rate_end": final.get("tool_call_rate") if final else None}
-    return {
-        "eval_accuracy_start": start["avg_at_k"] if start else None,
-        "eval_accuracy_end": final["avg_at_k"] if final else None,
-        "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
-        **tools,
-        "eval_versions": complete,
-        "eval": {v: {key: evals[v][key] for key in
-                     ("avg_at_k", "pass_at_k", "team_accuracy", "tool_call_rate", "k", "n",
-                      "pass_at",
-                      "n_prompts", "min_version", "max_version", "benchmark_average",
-                      "benchmark_average_pass_at_k", "benchmark_average_pass_at", "benchmarks")
-                     if key in evals[v]}
-                 for v in complete},
-        "versions": pol.get("current_version"),
-        "samples_trained": pol.get("samples_trained"),
-        "rollouts_generated": pol.get("rollouts_generated"),
-        "counters": pol,
-        "plugins": stats.get("plugins"),
-        "per_version": per_version,
-        "rollout_capacity_seconds": rollout_capacity_seconds(stats.get("instances")),
-    }
-
-
-TIME_TO_ACCURACY = 0.85
-"""The accuracy ``wall_s_to_085`` in the summary is measured to."""
-
-
-def trainer_wait_fraction(counters: dict) -> float | None:
-    """The share of the trainer's step time it spent waiting for a batch, over the whole run
-    (the dataflow's ``trainer_wait_ms`` / ``trainer_step_ms``; None before any timed step)."""
-    step = float(counters.get("trainer_step_ms") or 0)
-    return round(float(counters.get("trainer_wait_ms") or 0) / step, 4) if step > 0 else None
-
-
-def wall_s_to_accuracy(state_dir: Path, model_id: str, evals: dict, threshold: float) -> float | None:
-    """Seconds from the dataflow's start to the publication of the first version whose complete
-    evaluation reached ``threshold`` (avg@k); None when none did or the state does not say.
-
-    Publication time, not the eval's end: it measures how fast training got there, not how long
-    the asynchronous evaluation took to report. Read from the dataflow's SQLite state (read only).
-    """
-    import sqlite3
-
-    from astralight.report.rundata import ReadOnlyStore
-
-    reached = sorted(int(v) for v, r in evals.items()
-                     if r.get("complete") and float(r.get("avg_at_k") or 0) >= threshold)
-    db = Path(state_dir) / "dataflow.db"
-    if not reached or not db.exists():
-        return None
-    if reached[0] == 0:
-        return 0.0
-    try:
-        store = ReadOnlyStore(db)
-        try:
-            start = store.get_meta("started_at")
-            published = store.version_times(model_id).get(reached[0])
-        finally:
-            store.close()
-    except sqlite3.Error:
-        return None
-    if start is None or published is None:
-        return None
-    return round(float(published) - float(start), 1)
+    return request
 
 
 def _affinity(spec: dict) -> dict[str, list[int]]:
@@ -690,15 +443,16 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
             argv, kind_env = ["raas", "serve", "--dataflow", url, "--config", path], raas_env
         else:
             argv, kind_env = ["fit", "--config", path], env.get("trainer", {})
-        comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log", env=kind_env,
-                               cpus=cpus.get(kind), config=cfg))
+        comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log",
+                               env=with_pythonpath(recipe, kind_env), cpus=cpus.get(kind),
+                               config=cfg))
     if autoscale is not None:
         # started right after the dataflow; pinned to the RaaS cores, which its children (the
         # instances) inherit, with the RaaS environment
         argv = autoscale_argv(autoscale_settings(autoscale), url, str(template),
                               recipe["stop"].get("model_id", "policy"), run_dir)
         comps.insert(1, Component("autoscale", py + argv, run_dir / "logs" / "autoscale.log",
-                                  env=raas_env, cpus=cpus.get("raas")))
+                                  env=with_pythonpath(recipe, raas_env), cpus=cpus.get("raas")))
     for comp in comps:  # each one's token hand-off, checked before anything starts
         try:
             comp.child_env()
@@ -818,9 +572,11 @@ def _trainer_resume_args(comp: Component, run_dir: Path) -> tuple[list[str], str
     return ["--ckpt_path", str(ckpt)], f"from {ckpt}"
 
 
+@kept_in_launch_log  # RUN/launch.log: this function's output, and its failure
 def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = False,
-        resume: bool = False) -> dict:
-    """Run a recipe to completion and return the final summary (also printed as JSON).
+        resume: bool = False, check: bool = True) -> dict:
+    """Run a recipe to completion and return the full summary (``RUN/summary.json``; a short
+    line of it is printed last).
 
     ``resume``: continue the run folder ``run_dir`` (the dataflow on its state folder, trainers
     from their last checkpoint, the prepared model reused) until ``stop.versions``; the recipe
@@ -829,6 +585,11 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     Components are supervised (``recipe.supervise``, :mod:`astralight.supervise`): a crashed one
     is restarted -- the dataflow on its state folder, a RaaS fresh, a trainer from its last
     checkpoint -- and the run fails only when one crashes more than ``max_restarts`` times.
+
+    ``check``: before anything starts (no run folder, no prepare step), every component config
+    and local path is checked as ``astralight run --check`` does (:mod:`astralight.check`);
+    without it only the recipe's own keys are. The recipe's ``pythonpath`` goes on this process's
+    ``sys.path`` (for the prepare function) and on every component's ``PYTHONPATH``.
     """
     t_start = time.time()
     if resume:
@@ -850,9 +611,21 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     recipe_path = Path(recipe_path) if recipe_path is not None else _default_recipe()
     recipe = load_recipe(recipe_path)
     settings = supervise_settings_checked(recipe.get("supervise"))
+    use_pythonpath(recipe)
+    if check:
+        from astralight.check import check_recipe
+
+        checked = check_recipe(recipe_path, recipe, run_dir)
+        print(f"[launch] {checked.line()}", flush=True)
+    try:  # before anything starts: stop.versions and max_steps in step, stop's defaults
+        recipe = resolve_versions(recipe)
+        stop = stop_settings(recipe["stop"])
+    except StopError as exc:
+        raise RecipeError(str(exc)) from None
     name = recipe.get("name", recipe_path.stem)
     run_dir = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    launch_log = current_launch_log().open(run_dir / "launch.log")
     print(f"[launch] run folder: {run_dir}{' (resuming)' if resume else ''}", flush=True)
     if not resume and (run_dir / "dataflow" / "dataflow.db").exists():
         print(f"[launch] warning: {run_dir} already holds dataflow state, which the dataflow "
@@ -869,18 +642,16 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     url = f"http://127.0.0.1:{port}"
 
     # The recipe's prepare step may itself use the placeholders (e.g. a cache under run_dir).
-    recipe = _substitute(recipe, {"run_dir": run_dir, "seed": seed, "dataflow_url": url})
+    recipe = substitute(recipe, {"run_dir": run_dir, "seed": seed, "dataflow_url": url})
     init_model = prepare_initial_model(recipe, run_dir)
-    recipe = _substitute(recipe, {"init_model": init_model})
-    stop = recipe["stop"]
-    model_id = stop.get("model_id", "policy")
+    recipe = substitute(recipe, {"init_model": init_model})
+    model_id = stop["model_id"]
     target = int(stop["versions"])
 
     comps = build_components(recipe, run_dir, url, port)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    deadline = t_start + float(stop.get("timeout_s", 3600))
     summary: dict[str, Any] = {}
     interrupted = False
     # where the run stood just after each crash, (version, rollouts) from the first stats read
@@ -924,17 +695,23 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
             print(f"[launch] started {comp.name} (log: {comp.log_path})"
                   f"{' ' + note if note and comp.kind == 'trainer' else ''}", flush=True)
         last_print = 0.0
-        # the dataflow's balance report every `balance.every` versions, into balance.txt
+        # the dataflow's balance report, in contiguous windows of `balance.every` versions
+        pool_mode = AUTOSCALE if recipe.get("autoscale") is not None else FIXED
         balance_every = int((recipe.get("balance") or {}).get("every", 10))
-        balance_at, last_balance = 0, None
-        final_eval_deadline = None
+        balance = BalanceLog(run_dir, lambda n, last: _balance_report(url, model_id, n, last),
+                             balance_every, pool_mode)
+        policies = list(recipe["dataflow"].get("model_ids", [model_id]))
+        # every stop evaluates the last version of each policy (none without an eval source)
+        eval_models = policies if (recipe["dataflow"].get("eval") or {}).get("source") else []
+        conditions, rate = StopConditions(stop, t_start), ProgressRate()
+        budget_end = t_start + stop["max_wall_s"] if stop["max_wall_s"] else None
+        sequence: StopSequence | None = None
+        stop_detail = ""
         stats: dict = {}
         evals: dict = {}
         while True:
             time.sleep(1.0)
             now = time.time()
-            if now > deadline:
-                raise RuntimeError(f"run exceeded stop.timeout_s={stop.get('timeout_s')}")
             sup.poll(now)
             try:
                 stats = _get_json(f"{url}/v1/stats")
@@ -942,7 +719,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
             except Exception:
                 stats = {}
                 last_progress["stats_ok"] = False
-            pol = _policy_stats(stats, model_id)
+            pol = policy_stats(stats, model_id)
             last_progress["at"] = time.time()
             if stats:
                 last_progress["version"] = int(pol.get("current_version") or 0)
@@ -950,29 +727,53 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
             _mark_recoveries(sup, comps, marks, last_progress)
             evals = _eval_table(url, model_id) if stats else evals
             version = int(pol.get("current_version") or 0)
-            if balance_every and version - balance_at >= balance_every:
-                balance_at = version
-                report = _balance_report(url, model_id, balance_every, run_dir / "balance.txt")
-                last_balance = report or last_balance
-            if not quiet and now - last_print >= float(stop.get("progress_every_s", 5)):
-                line = _progress_line(now - t_start, target, stats, evals, model_id)
+            if stats:
+                balance.poll(version)
+                rate.update(now, version)
+            if now - last_print >= float(stop["progress_every_s"]):
+                line = progress_line(now - t_start, target, stats, evals, model_id,
+                                     rate.text(now, version, target, budget_end))
                 down = sup.down()
-                print(line + (f" | restarting {sorted(down)}" if down else ""), flush=True)
+                line += f" | restarting {sorted(down)}" if down else ""
+                line += f" | stopping ({sequence.reason}): {sequence.phase}" if sequence else ""
+                if quiet:
+                    launch_log.note(line)  # kept in launch.log, not printed
+                else:
+                    print(line, flush=True)
                 last_print = now
-            if sup.finished_trainers():
-                if final_eval_deadline is None:
-                    print("[launch] trainers finished; waiting for the final evaluation", flush=True)
-                    final_eval_deadline = now + float(stop.get("final_eval_timeout_s", 300))
-                if evals.get(target, {}).get("complete") or now > final_eval_deadline:
+            if sequence is None:
+                reason = conditions.reached(now, version, evals, sup.finished_trainers())
+                if reason is not None:
+                    stop_detail = conditions.describe(reason, version, evals)
+                    print(f"[launch] stopping: {stop_detail}", flush=True)
+                    sequence = StopSequence(
+                        reason, now, [c for c in comps if c.kind == "trainer"], eval_models,
+                        stop["final_eval_timeout_s"], request_eval=_eval_requester(url),
+                        retire=lambda c: sup.retire(c.name),
+                        force_stop=lambda c: c.stop(signal.SIGINT, timeout_s=30.0),
+                        log=lambda text: print(text, flush=True))
+            if sequence is not None and stats:
+                versions_now = {m: int(policy_stats(stats, m).get("current_version") or 0)
+                                for m in eval_models}
+                tables = {m: evals if m == model_id else _eval_table(url, m) for m in eval_models}
+                if sequence.step(now, versions_now, tables):
                     break
         # The last word of the dataflow, read while every component still runs.
         try:
             stats = _get_json(f"{url}/v1/stats")
         except Exception:
             pass  # keep the last poll's stats
+        evals = _eval_table(url, model_id) or evals
+        final_version = int(policy_stats(stats, model_id).get("current_version") or 0)
+        balance.finish(final_version)
         per_version = _per_version_counters(url, model_id)
-        summary = build_summary(stats, evals, per_version, model_id, target)
-        summary["balance"] = last_balance
+        summary = build_summary(stats, evals, per_version, model_id, final_version)
+        summary["stop_reason"] = sequence.reason
+        summary["stop"] = {"reason": sequence.reason, "detail": stop_detail,
+                           "at_s": round(sequence.started_at - t_start, 1),
+                           "final_versions": sequence.final_versions,
+                           "final_eval_complete": sequence.eval_complete}
+        summary["balance"] = balance.last
         summary["trainer_wait_fraction"] = trainer_wait_fraction(summary["counters"])
         summary["wall_s_to_085"] = wall_s_to_accuracy(
             Path(recipe["dataflow"].get("state_dir") or run_dir / "dataflow"), model_id, evals,
@@ -983,9 +784,9 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
                        resumes=state["resumes"])
         if recipe.get("autoscale") is not None:
             summary["pool"] = read_pool_history(run_dir / "autoscale.jsonl")
-        others = [m for m in recipe["dataflow"].get("model_ids", [model_id]) if m != model_id]
-        if others:  # multi-policy: every policy's final evaluation, side by side
-            summary["policies"] = {m: _final_eval(_eval_table(url, m)) for m in [model_id] + others}
+        if len(policies) > 1:  # multi-policy: every policy's final evaluation, side by side
+            summary["policies"] = {m: final_eval(_eval_table(url, m))
+                                   for m in [model_id] + [p for p in policies if p != model_id]}
         summary.update(recipe=name, wall_s=round(time.time() - t_start, 1), run_dir=str(run_dir))
     except KeyboardInterrupt:
         interrupted = True
@@ -1008,25 +809,24 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
         print("[launch] all components stopped", flush=True)
     if interrupted:
         raise KeyboardInterrupt
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    # the full record in summary.json; on the terminal (and in launch.log) one short line, last
+    write_summary(run_dir, summary)
+    print(short_line(summary), flush=True)
+    if summary["stop_reason"] == TIMEOUT:
+        raise RuntimeError(f"the run reached stop.timeout_s={stop['timeout_s']:g} at version "
+                           f"{summary['versions']} of {target}; its summary is in "
+                           f"{run_dir / 'summary.json'} (raise stop.timeout_s, or set "
+                           "stop.max_wall_s for a time budget that ends the run successfully)")
     if (recipe["dataflow"].get("eval") or {}).get("source") and summary.get("eval_accuracy_end") is None:
-        raise RuntimeError(f"the final evaluation of version {target} did not complete within "
-                           f"stop.final_eval_timeout_s={stop.get('final_eval_timeout_s', 300)}; "
+        final_version = summary["stop"]["final_versions"].get(model_id, summary["versions"])
+        raise RuntimeError(f"the final evaluation of version {final_version} did not complete "
+                           f"within stop.final_eval_timeout_s={stop['final_eval_timeout_s']:g}; "
                            f"see {run_dir / 'logs'}")
     return summary
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def supervise_settings_checked(spec: Any) -> dict | None:
-    """:func:`astralight.supervise.supervise_settings`, its errors as :class:`RecipeError`."""
-    try:
-        return supervise_settings(spec)
-    except SuperviseError as exc:
-        raise RecipeError(str(exc)) from None
 
 
 def _mark_recoveries(sup: Supervisor, comps: list[Component], marks: dict,
@@ -1054,19 +854,73 @@ def _mark_recoveries(sup: Supervisor, comps: list[Component], marks: dict,
                   flush=True)
 
 
-def export_configs(recipe_path: Path, out_dir: Path, port: int = 8400,
-                   run_dir: str = "runs/toy", init_model: str = "models/toy-init") -> list[Path]:
+#: the dataflow's port in exported configs when the recipe sets none (a run picks a free one;
+#: components started by hand need a fixed one)
+EXPORT_PORT = 8400
+
+
+def export_values(recipe: dict, recipe_path: Path, port: int | None = None,
+                  run_dir: str | None = None, init_model: str | None = None) -> dict:
+    """The placeholder values of an export, each the recipe's own unless given: the dataflow's
+    ``port`` (the recipe's ``port``, else :data:`EXPORT_PORT`), ``run_dir`` (``runs/NAME``, NAME
+    the recipe's ``name``), ``init_model`` (where the launcher's prepare step builds it,
+    ``RUN_DIR/models/init``; empty without a prepare step), ``seed``, ``dataflow_url``."""
+    port = int(port if port is not None else recipe.get("port") or EXPORT_PORT)
+    run_dir = str(run_dir if run_dir is not None
+                  else Path("runs") / str(recipe.get("name") or Path(recipe_path).stem))
+    if init_model is None:
+        init_model = str(Path(run_dir) / "models" / "init") if recipe.get("prepare") else ""
+    return {"run_dir": run_dir, "init_model": str(init_model), "seed": recipe.get("seed", 0),
+            "dataflow_url": f"http://127.0.0.1:{port}", "port": port}
+
+
+def prepared_vocab_size(recipe: dict) -> int | None:
+    """The vocabulary size of the model(s) the recipe's ``prepare`` step builds, before it is
+    built: the prepare function's ``vocab_size`` attribute, called with the step's ``kwargs``
+    (the shipped builders have one; see :mod:`astralight.tasks.warmstart`). None when the
+    function has none or it cannot tell."""
+    prep = recipe.get("prepare") or {}
+    target = prep.get("function")
+    if not isinstance(target, str) or "." not in target:
+        return None
+    module_name, func_name = target.rsplit(".", 1)
+    try:
+        hook = getattr(getattr(importlib.import_module(module_name), func_name), "vocab_size", None)
+        size = hook(**(prep.get("kwargs") or {})) if callable(hook) else None
+    except Exception:  # an export goes on without it (the dataflow then checks no token ids)
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def export_configs(recipe_path: Path, out_dir: Path, port: int | None = None,
+                   run_dir: str | None = None, init_model: str | None = None) -> list[Path]:
     """Write each component's config of a recipe to ``out_dir``, for starting components by hand.
 
-    Placeholders become fixed values: the dataflow at ``127.0.0.1:port``, the run folder
-    ``run_dir`` and the initial model ``init_model`` (build it with ``astralight prepare-toy``).
+    Placeholders become the recipe's values (:func:`export_values`; ``port``, ``run_dir`` and
+    ``init_model`` override them). The dataflow's ``vocab_sizes`` come from each trainer's model
+    folder, or -- for a model the recipe's prepare step has not built yet -- from the prepare
+    function (:func:`prepared_vocab_size`), so the exported dataflow refuses out-of-range token
+    ids as the launcher's would.
     """
     recipe = load_recipe(recipe_path)
-    values = {"run_dir": run_dir, "init_model": init_model, "seed": recipe.get("seed", 0),
-              "dataflow_url": f"http://127.0.0.1:{port}"}
-    recipe = _substitute(recipe, values)
+    values = export_values(recipe, recipe_path, port, run_dir, init_model)
+    port = values.pop("port")
+    recipe = substitute(recipe, values)
     out_dir.mkdir(parents=True, exist_ok=True)
-    configs = component_configs(recipe, Path(run_dir), port)
+    configs = component_configs(recipe, Path(values["run_dir"]), port)
+    dataflow_cfg = configs["dataflow"]
+    init = values["init_model"]
+    for name, cfg in configs.items():
+        init_args = (((cfg.get("model") or {}).get("init_args") or {})
+                     if name.startswith("trainer-") else {})
+        model_id, model_path = init_args.get("model_id"), str(init_args.get("model_path") or "")
+        if (model_id is None or model_id in (dataflow_cfg.get("vocab_sizes") or {})
+                or model_id not in dataflow_cfg.get("model_ids", ["policy"])
+                or not init or not (model_path == init or model_path.startswith(init + "/"))):
+            continue
+        size = prepared_vocab_size(recipe)
+        if size is not None:
+            dataflow_cfg.setdefault("vocab_sizes", {})[model_id] = size
     return [_write_yaml(out_dir / f"{file_stem}.yaml", configs[name])
             for name, file_stem in export_file_stems(list(configs)).items()]
 
@@ -1093,23 +947,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-configs", metavar="DIR", default=None,
                         help="write each component's config to DIR (dataflow.yaml, raas.yaml, "
                              "trainer.yaml; trainer-MODEL_ID.yaml, raas-I.yaml when a recipe has "
-                             "several) and exit, to start the components by hand")
+                             "several) and exit, to start the components by hand; {run_dir} is "
+                             "--run-dir (default runs/NAME), the port the recipe's (default "
+                             f"{EXPORT_PORT}) or --port, {{init_model}} RUN_DIR/models/init or "
+                             "--init-model")
+    parser.add_argument("--port", type=int, default=None,
+                        help="with --export-configs: the dataflow's port")
+    parser.add_argument("--init-model", metavar="PATH", default=None,
+                        help="with --export-configs: the initial model folder ({init_model})")
+    parser.add_argument("--check", action="store_true",
+                        help="check the recipe, every component config (with the component's "
+                             "own parser) and every local model and data path, then exit: 0 "
+                             "with one OK line, 2 with the key at fault; starts nothing")
+    parser.add_argument("--no-check", action="store_true",
+                        help="start without checking the component configs first (the recipe's "
+                             "own keys are always checked)")
     args = parser.parse_args(argv)
     try:
+        if args.check:
+            from astralight.check import check_recipe
+
+            folder = args.resume or args.run_dir
+            recipe_path = (Path(args.recipe) if args.recipe else
+                           Path(args.resume) / "recipe.yaml" if args.resume else _default_recipe())
+            result = check_recipe(recipe_path, run_dir=Path(folder) if folder else None)
+            for note in result.notes:
+                print(f"note: {note}", file=sys.stderr)
+            print(f"astralight run --check: {result.line()}", flush=True)
+            return 0
         if args.export_configs:
             recipe_path = Path(args.recipe) if args.recipe else _default_recipe()
-            for path in export_configs(recipe_path, Path(args.export_configs)):
+            for path in export_configs(recipe_path, Path(args.export_configs), port=args.port,
+                                       run_dir=args.run_dir, init_model=args.init_model):
                 print(path)
+            recipe = load_recipe(recipe_path)
+            values = export_values(recipe, recipe_path, args.port, args.run_dir, args.init_model)
+            init = values["init_model"]
+            if init and not Path(init).exists():
+                print(f"note: {{init_model}} is {init}, not built yet: build it with the recipe's "
+                      f"prepare step ({recipe['prepare']['function']}(out_dir={init!r}, "
+                      "**prepare.kwargs); for the toy recipe `astralight prepare-toy "
+                      f"{init}`), or give --init-model PATH", file=sys.stderr)
             return 0
         if args.resume:
             if args.run_dir and Path(args.run_dir).resolve() != Path(args.resume).resolve():
                 raise RecipeError("--run-dir: with --resume the run folder is RUN_DIR; "
                                   "give one of them")
             run(Path(args.recipe) if args.recipe else None, Path(args.resume),
-                quiet=args.quiet, resume=True)
+                quiet=args.quiet, resume=True, check=not args.no_check)
         else:
             run(Path(args.recipe) if args.recipe else _default_recipe(),
-                Path(args.run_dir) if args.run_dir else None, quiet=args.quiet)
+                Path(args.run_dir) if args.run_dir else None, quiet=args.quiet,
+                check=not args.no_check)
     except RecipeError as exc:
         print(f"astralight run: {exc}", file=sys.stderr)
         return 2

@@ -39,26 +39,42 @@ and the gradient clip takes the global norm over the DTensor shards. Lightning's
 (FSDP1) is refused at setup: Lightning runs ``training_step`` inside FSDP1's root forward, where
 several forward/backward passes per step break FSDP1 (Lightning issue #19685).
 
-Extension point: a new objective is one method
-----------------------------------------------
+Extension points: a new objective is one method
+-----------------------------------------------
 Subclass :class:`RLPolicy` and implement :meth:`RLPolicy.compute_loss`
 (``(batch, logp) -> (loss, metrics)``); optionally extend :meth:`RLPolicy.loss_context` when the
-objective needs a whole-batch statistic or per-batch state. ``batch`` there is a (micro-)batch
-of *shifted* tensors, all ``[b, T-1]`` and aligned with ``logp``: ``mask`` (bool, trained
-tokens), ``logp_behaviour``, ``advantages`` (per token, 0 off mask), ``versions``; plus
-``sample_advantages`` / ``rewards`` ``[b]``, ``n_tokens`` / ``n_samples`` (the normalisers: loss
+objective needs a whole-batch statistic or per-batch state (a group baseline, a running mean),
+and :meth:`RLPolicy.prepare_batch` (with ``super().prepare_batch(batch)``) to add fields of
+its own. ``batch`` there is a (micro-)batch of *shifted* tensors, all ``[b, T-1]`` and aligned
+with ``logp``: ``mask`` (bool, trained tokens), ``logp_behaviour``, ``advantages`` (per token,
+0 off mask), ``versions``; per sample ``sample_advantages`` / ``rewards`` / ``group_ids``
+``[b]`` (samples of one task share an id) and the lists ``task_ids`` / ``metadata`` (sliced
+with the micro-batch like the tensors); the batch's ``batch_id``, ``model_id``,
+``policy_version`` and ``trainer_version``; ``n_tokens`` / ``n_samples`` (the normalisers: loss
 tokens / samples of the whole optimizer batch over all ranks / world size) and whatever
 :meth:`RLPolicy.loss_context` added. Return a loss normalised by ``batch["n_tokens"]`` (or
 ``batch["n_samples"]``) so micro-batch losses add up to the batch loss; metric values are
 scalars (combined over micro-batches by a token-weighted mean, ``*_loss`` summed,
 ``*_max``/``*_min`` by max/min) and are logged as ``train/<name>``. The KL penalty is added by the
-base class, so every objective gets it. ``examples/custom_trainer/`` is a worked example
-(REINFORCE with a running-mean baseline) run by ``astralight fit`` through YAML ``class_path``.
+base class, so every objective gets it; so are ``train/entropy`` (the policy's entropy per
+trained token, from the logits already computed) and the reward, advantage, staleness and
+throughput metrics. The optimizer and its schedule are the ``optimizer`` / ``lr_scheduler``
+arguments (``astralight fit --optimizer ... --lr_scheduler ...``), not a method to override.
+``examples/custom_trainer/`` is a worked example (REINFORCE with a running-mean baseline) run by
+``astralight fit`` through YAML ``class_path``.
+
+A group baseline (leave-one-out, RLOO) groups by ``group_ids`` in :meth:`RLPolicy.loss_context`
+(the whole optimizer batch, before any micro-batch). The dataflow serves samples, not groups, so
+a task's group can be split between two batches (stale drops, sample filters, a batch size that
+is not a multiple of the group size): count each group's members in the batch, and fall back
+(e.g. to the dataflow's ``advantages``, computed over the whole group at ingest) for a sample
+left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import time
@@ -72,8 +88,9 @@ from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta, c
 from astralight.lora import LoraSpec, wrap_model
 from astralight.protocol import temperature_mismatch
 from astralight.rl.advantages import batch_normalize, broadcast_to_tokens
+from astralight.rl.entropy import masked_entropy_sum
 from astralight.rl.kl import kl_penalty
-from astralight.rl.logprobs import causal_lm_logprobs
+from astralight.rl.logprobs import causal_lm_logprobs, token_logprobs
 from astralight.rl.m2po import (
     all_reduce_sum,
     m2_harmful_clip,
@@ -88,6 +105,8 @@ log = logging.getLogger(__name__)
 LOSSES = ("m2po", "m2po_harmful", "ppo_clip")
 _BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "versions",
                "advantages", "rewards")
+#: plain (non-tensor) batch values :meth:`RLPolicy.prepare_batch` passes on (None when absent)
+_PLAIN_KEYS = ("batch_id", "model_id", "policy_version", "trainer_version")
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -127,6 +146,46 @@ def empty_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.M
     return model
 
 
+def check_class_spec(spec: Any, key: str, base: type) -> dict | None:
+    """Check a ``{class_path, init_args}`` spec of a ``base`` subclass (``optimizer``,
+    ``lr_scheduler``) when the module is built, not at the first step; returns it normalised
+    (a bare class path string is accepted). The error names the key and the fix."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        spec = {"class_path": spec}
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        raise ValueError(f"{key}: expected {{class_path: ..., init_args: {{...}}}} naming a "
+                         f"{base.__module__}.{base.__qualname__} subclass, got {spec!r}")
+    unknown = set(spec) - {"class_path", "init_args"}
+    if unknown:
+        raise ValueError(f"{key}: unknown keys {sorted(unknown)}; only class_path and init_args")
+    init_args = dict(spec.get("init_args") or {})
+    path = spec["class_path"]
+    module_name, _, name = path.rpartition(".")
+    example = ("torch.optim.lr_scheduler.CosineAnnealingLR" if key == "lr_scheduler"
+               else "torch.optim.SGD")
+    try:
+        klass = getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{key}.class_path: cannot import {path!r} ({exc}); name a class by "
+                         f"its full import path, e.g. {example}") from None
+    if not (isinstance(klass, type) and issubclass(klass, base)):
+        raise ValueError(f"{key}.class_path: {path!r} is not a {base.__module__}."
+                         f"{base.__qualname__} subclass; name one, e.g. {example}")
+    if issubclass(klass, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(f"{key}.class_path: {path!r} needs a monitored metric, and the policy "
+                         "steps its scheduler once per optimizer step without one; name a "
+                         f"step-driven scheduler, e.g. {example}")
+    return {"class_path": path, "init_args": init_args}
+
+
+def _build(spec: dict, first):
+    """``class_path(first, **init_args)`` of a spec checked by :func:`check_class_spec`."""
+    module_name, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module_name), name)(first, **spec["init_args"])
+
+
 def _init_arg_order(cls: type) -> dict[str, int]:
     """Position of every named ``__init__`` argument, most-derived class first."""
     order: dict[str, int] = {}
@@ -149,7 +208,15 @@ class RLPolicy(pl.LightningModule):
     with a new objective; the model, the batch plumbing, micro-batching, the KL penalty, the
     optimizer, the acknowledgement of batches and the metrics are shared with
     :class:`M2POPolicy`. Name the subclass in the trainer config
-    (``model: {class_path: my_module.MyPolicy, init_args: {...}}``) and run ``astralight fit``.
+    (``model: {class_path: my_module.MyPolicy, init_args: {...}}``) and run ``astralight fit``
+    (whose model must be an ``RLPolicy``: ``astralight fit --model.help`` lists them).
+
+    Extension points, in the order a step calls them: :meth:`prepare_batch` (the collated batch
+    -> shifted tensors plus the group structure: ``group_ids``, ``task_ids``, ``metadata``,
+    ``policy_version``, ...; extend with ``super().prepare_batch(batch)``), :meth:`loss_context`
+    (once per optimizer batch, before any backward: whole-batch statistics and per-batch state,
+    e.g. a group baseline), :meth:`compute_loss` (per micro-batch: the objective). The module
+    docstring lists every batch key.
 
     Args:
         model_path: Hugging Face model folder (the same folder the RaaS starts from: version 0).
@@ -173,6 +240,16 @@ class RLPolicy(pl.LightningModule):
             (PEFT names; the RaaS engine needs ``enable_lora``), ``publish: merged`` the merged
             full weights under the base names. With ``kl_coef > 0`` the KL reference is the base
             model itself with the adapters disabled (no second model is loaded).
+        optimizer: ``{class_path, init_args}`` of a ``torch.optim.Optimizer`` that replaces
+            AdamW (``lr``, ``betas`` and ``weight_decay`` then do not apply: give them in its
+            ``init_args``). ``astralight fit --optimizer SGD --optimizer.lr 0.01`` (or a
+            top-level ``optimizer:`` in the trainer YAML) sets it.
+        lr_scheduler: ``{class_path, init_args}`` of a ``torch.optim.lr_scheduler.LRScheduler``
+            that replaces the warm-up, stepped once per optimizer step (``astralight fit
+            --lr_scheduler``); ``ReduceLROnPlateau`` is refused (it needs a monitored metric).
+
+    Gradient clipping is ``grad_clip`` (the policy optimises manually, so Lightning's own
+    clipping cannot run); ``astralight fit --trainer.gradient_clip_val X`` sets ``grad_clip``.
 
     A subclass with its own arguments takes them first and passes the rest on, e.g.
     ``def __init__(self, model_path: str, my_arg: float = 1.0, **kwargs)`` then
@@ -198,6 +275,8 @@ class RLPolicy(pl.LightningModule):
         disable_dropout: bool = True,
         logprob_chunk_tokens: int | None = None,
         lora: dict | None = None,
+        optimizer: dict | None = None,
+        lr_scheduler: dict | None = None,
     ):
         super().__init__()
         cls = type(self)
@@ -213,6 +292,9 @@ class RLPolicy(pl.LightningModule):
             raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        optimizer = check_class_spec(optimizer, "optimizer", torch.optim.Optimizer)
+        lr_scheduler = check_class_spec(lr_scheduler, "lr_scheduler",
+                                        torch.optim.lr_scheduler.LRScheduler)
         lora_spec = LoraSpec.from_config(lora)
         if lora_spec is not None and lora_spec.dropout > 0 and disable_dropout:
             raise ValueError(
@@ -245,6 +327,8 @@ class RLPolicy(pl.LightningModule):
         self.disable_dropout = disable_dropout
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.lora_spec = lora_spec
+        self.optimizer_spec = optimizer
+        self.lr_scheduler_spec = lr_scheduler
         self.automatic_optimization = False
         self.model: torch.nn.Module | None = None
         # The reference model is kept out of the module tree: not trained, not checkpointed.
@@ -338,6 +422,19 @@ class RLPolicy(pl.LightningModule):
         return causal_lm_logprobs(self.model, input_ids, attention_mask, self.temperature,
                                   self.logprob_chunk_tokens)
 
+    def logprobs_with_entropy(self, input_ids: Tensor, attention_mask: Tensor | None,
+                              mask: Tensor) -> tuple[Tensor, Tensor, int]:
+        """:meth:`forward` plus the policy's entropy from the same logits (no second forward):
+        ``(logp [B, T-1], sum of per-token entropies over mask, masked token count)``; the
+        entropy is that of the sampling distribution (at the temperature), without gradient."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits = (out.logits if hasattr(out, "logits") else out[0])[:, :-1]
+        logp = token_logprobs(logits, input_ids[:, 1:], self.temperature,
+                              self.logprob_chunk_tokens)
+        entropy, count = masked_entropy_sum(logits, mask, self.temperature,
+                                            self.logprob_chunk_tokens)
+        return logp, entropy, count
+
     def save_pretrained(self, path: str) -> None:
         """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``);
         a LoRA policy saves its adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
@@ -365,15 +462,29 @@ class RLPolicy(pl.LightningModule):
     # ------------------------------------------------------------------ optimizer
 
     def configure_optimizers(self):
+        """AdamW (``lr``, ``betas``, ``weight_decay``) with ``warmup_steps`` of linear warm-up,
+        over the trainable parameters (a LoRA policy: the adapters only).
+
+        ``optimizer`` (``{class_path, init_args}``; ``astralight fit --optimizer``) replaces
+        AdamW: it is built over the same parameters with its own ``init_args`` (its ``lr`` there,
+        not the module's). ``lr_scheduler`` (``astralight fit --lr_scheduler``) replaces the
+        warm-up; it is stepped once per optimizer step, so ``T_max`` / ``total_iters`` count
+        optimizer steps."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.lr, betas=self.betas,
-                                weight_decay=self.weight_decay)
-        warmup = max(0, int(self.warmup_steps))
+        if self.optimizer_spec is not None:
+            opt = _build(self.optimizer_spec, params)
+        else:
+            opt = torch.optim.AdamW(params, lr=self.lr, betas=self.betas,
+                                    weight_decay=self.weight_decay)
+        if self.lr_scheduler_spec is not None:
+            sched = _build(self.lr_scheduler_spec, opt)
+        else:
+            warmup = max(0, int(self.warmup_steps))
 
-        def factor(step: int) -> float:
-            return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+            def factor(step: int) -> float:
+                return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ batch handling
@@ -406,12 +517,33 @@ class RLPolicy(pl.LightningModule):
                     f"temperature={t_sample}) or the workflow's sampling temperature to match")
 
     def prepare_batch(self, batch: dict) -> dict[str, Any]:
-        """Shift the trainer batch to next-token targets (``[:, 1:]``) and attach advantages."""
+        """Shift the trainer batch to next-token targets (``[:, 1:]``) and attach advantages.
+
+        Tensors (all shifted, aligned with ``logp``): ``mask``, ``logp_behaviour``,
+        ``versions``, per-token ``advantages``; per sample ``sample_advantages``, ``rewards``
+        and ``group_ids`` (long ``[b]``: samples of the same task share an id, numbered in order
+        of first appearance: what a group baseline such as leave-one-out groups by). The group
+        structure and provenance of the batch are kept as they came from
+        :func:`astralight.datamodules.rollout.collate_batch`: ``task_ids`` and ``metadata``
+        (lists, one entry per sample, sliced with the micro-batch), ``batch_id``, ``model_id``,
+        ``policy_version``, ``trainer_version`` (plain values). Override it to add fields; keep
+        the ones documented here (the base class and :meth:`compute_loss` read them).
+        """
         attention = batch["attention_mask"]
         mask = (batch["loss_mask"][:, 1:] > 0) & (attention[:, 1:] > 0)
         adv = batch["advantages"].float()
         if self.normalize_advantages:  # over the global batch: every rank's share
             adv = batch_normalize(adv, reduce_sum=all_reduce_sum)
+        n = batch["input_ids"].shape[0]
+        task_ids = list(batch.get("task_ids") or [])
+        if len(task_ids) != n:  # a batch built by hand without task ids: every sample its own
+            task_ids = [f"sample-{i}" for i in range(n)]
+        first: dict[Any, int] = {}
+        group_ids = torch.tensor([first.setdefault(t, len(first)) for t in task_ids],
+                                 dtype=torch.long, device=batch["input_ids"].device)
+        metadata = list(batch.get("metadata") or [])
+        if len(metadata) != n:
+            metadata = [{} for _ in range(n)]
         return {
             "input_ids": batch["input_ids"],
             "attention_mask": attention,
@@ -421,6 +553,10 @@ class RLPolicy(pl.LightningModule):
             "advantages": broadcast_to_tokens(adv, mask),
             "sample_advantages": adv,
             "rewards": batch["rewards"].float(),
+            "group_ids": group_ids,
+            "task_ids": task_ids,
+            "metadata": metadata,
+            **{key: batch.get(key) for key in _PLAIN_KEYS},
         }
 
     def _micro_slices(self, n: int) -> list[slice]:
@@ -429,8 +565,16 @@ class RLPolicy(pl.LightningModule):
 
     @staticmethod
     def _slice(batch: dict, sl: slice, n: int) -> dict:
-        return {k: (v[sl] if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n else v)
-                for k, v in batch.items()}
+        """One micro-batch: every tensor whose first dimension is the batch, and every list of
+        one entry per sample (``task_ids``, ``metadata``), sliced; everything else as is."""
+        def cut(v):
+            if isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == n:
+                return v[sl]
+            if isinstance(v, list) and len(v) == n:
+                return v[sl]
+            return v
+
+        return {k: cut(v) for k, v in batch.items()}
 
     # ------------------------------------------------------------------ objective
 
@@ -475,9 +619,11 @@ class RLPolicy(pl.LightningModule):
                 shifted to next-token targets and aligned with ``logp``: ``mask`` (bool
                 ``[b, T-1]``, the trained tokens), ``logp_behaviour`` (``[b, T-1]``, the
                 sampler's log-probs, 0 off mask), ``advantages`` (per token, 0 off mask),
-                ``versions`` (policy version per token), ``sample_advantages`` and ``rewards``
-                (``[b]``), ``input_ids`` / ``attention_mask`` (unshifted ``[b, T]``), and the
-                normalisers ``n_tokens`` / ``n_samples`` of the whole optimizer batch.
+                ``versions`` (policy version per token), ``sample_advantages``, ``rewards`` and
+                ``group_ids`` (``[b]``), ``input_ids`` / ``attention_mask`` (unshifted
+                ``[b, T]``), ``task_ids`` / ``metadata`` (lists of ``b``), ``policy_version`` /
+                ``trainer_version``, and the normalisers ``n_tokens`` / ``n_samples`` of the
+                whole optimizer batch (see :meth:`prepare_batch`).
             logp: the current policy's log-prob of every next token, ``[b, T-1]``, with grad,
                 at the module temperature.
 
@@ -527,21 +673,28 @@ class RLPolicy(pl.LightningModule):
 
         Gradients accumulate into ``.grad``; the caller clips and steps. Usable without a
         Trainer (plain ``loss.backward()``), which is how the tests compare micro-batching to
-        the single pass.
+        the single pass. ``entropy`` is the policy's mean entropy per loss-masked token of this
+        rank's batch, from the logits of the pass that fixes the loss context (the grad forward
+        without micro-batches, the no-grad one with them): no extra forward.
         """
         n = batch["input_ids"].shape[0]
         slices = self._micro_slices(n)
         if len(slices) == 1:
-            logp = self(batch["input_ids"], batch["attention_mask"])
+            logp, entropy, count = self.logprobs_with_entropy(
+                batch["input_ids"], batch["attention_mask"], batch["mask"])
             full = {**batch, **self.loss_context(batch, logp.detach())}
             loss, metrics = self.objective(full, logp)
             self._backward(loss, sync=True)
             out = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
             out["loss"] = loss.detach().float()
+            out["entropy"] = entropy / max(1, count)
             return out
         with torch.no_grad():
-            logp_all = torch.cat([self(batch["input_ids"][sl], batch["attention_mask"][sl])
-                                  for sl in slices])
+            passes = [self.logprobs_with_entropy(batch["input_ids"][sl],
+                                                 batch["attention_mask"][sl], batch["mask"][sl])
+                      for sl in slices]
+        logp_all = torch.cat([lp for lp, _, _ in passes])
+        entropy = torch.stack([e for _, e, _ in passes]).sum() / max(1, sum(c for *_, c in passes))
         full = {**batch, **self.loss_context(batch, logp_all)}
         total_loss = torch.zeros((), device=logp_all.device)
         parts: list[tuple[float, dict[str, Tensor]]] = []
@@ -554,6 +707,7 @@ class RLPolicy(pl.LightningModule):
             parts.append((float(micro["mask"].sum()), metrics))
         out = _combine_metrics(parts)
         out["loss"] = total_loss
+        out["entropy"] = entropy
         return out
 
     def _clip_and_norm(self) -> Tensor:
@@ -686,6 +840,8 @@ class M2POPolicy(RLPolicy):
         logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
         lora: train a LoRA adapter instead of all weights (see :class:`RLPolicy`;
             ``{r, alpha, dropout, target_modules, use_rslora, publish: adapter|merged}``).
+        optimizer, lr_scheduler: replace AdamW / the warm-up (see :class:`RLPolicy`; set them
+            with ``astralight fit --optimizer`` / ``--lr_scheduler``).
     """
 
     def __init__(
@@ -712,6 +868,8 @@ class M2POPolicy(RLPolicy):
         disable_dropout: bool = True,
         logprob_chunk_tokens: int | None = None,
         lora: dict | None = None,
+        optimizer: dict | None = None,
+        lr_scheduler: dict | None = None,
     ):
         if loss not in LOSSES:
             raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
@@ -721,7 +879,8 @@ class M2POPolicy(RLPolicy):
             micro_batch_size=micro_batch_size, grad_clip=grad_clip,
             normalize_advantages=normalize_advantages, seed=seed,
             gradient_checkpointing=gradient_checkpointing, disable_dropout=disable_dropout,
-            logprob_chunk_tokens=logprob_chunk_tokens, lora=lora)
+            logprob_chunk_tokens=logprob_chunk_tokens, lora=lora, optimizer=optimizer,
+            lr_scheduler=lr_scheduler)
         self.loss_name = loss
         self.m2_threshold = m2_threshold
         self.clip_eps = clip_eps
@@ -748,9 +907,13 @@ class M2POPolicy(RLPolicy):
         """M2PO / M2PO-harmful / PPO-clip on one (micro-)batch, token-mean over ``n_tokens``."""
         mask, n_tokens = batch["mask"], batch["n_tokens"]
         if self.loss_name == "m2po":
-            return m2po_loss(
+            loss, metrics = m2po_loss(
                 logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,
                 keep=batch["m2_keep"], n_tokens=n_tokens, selection=batch["m2_selection"])
+            # ``m2`` (this micro-batch's mean (log r)^2) repeats ``m2_before`` (the same over the
+            # whole batch, the statistic the selection uses): one tag, not two
+            metrics.pop("m2", None)
+            return loss, metrics
         if self.loss_name == "m2po_harmful":
             return m2po_harmful_loss(
                 logp, batch["logp_behaviour"], batch["advantages"], mask, self.m2_threshold,

@@ -167,7 +167,7 @@ class Supervisor:
         self.log = log
         self.on_event = on_event
         self.restarts: dict[str, int] = dict.fromkeys(self.components, 0)
-        self.finished: set[str] = set()  # trainers that exited 0
+        self.finished: set[str] = set()  # trainers that exited 0, and retired components
         self.pending: dict[str, tuple[float, RestartEvent]] = {}  # name -> (due, event)
         self.events: list[RestartEvent] = []
 
@@ -178,6 +178,13 @@ class Supervisor:
     def down(self) -> set[str]:
         """Components waiting for their restart."""
         return set(self.pending)
+
+    def retire(self, name: str) -> None:
+        """Never restart ``name`` again, whatever it exits with: the launcher is stopping it on
+        purpose (a trainer asked to stop early by the run's stop sequence); a pending restart
+        is dropped. A trainer retired this way counts as finished."""
+        self.pending.pop(name, None)
+        self.finished.add(name)
 
     def poll(self, now: float | None = None) -> list[RestartEvent]:
         """Look at every component once: record crashes, run restarts that are due.

@@ -7,7 +7,16 @@ whole run: ``eval/avg_at_k`` and ``eval/pass_at_k`` at the step where each evalu
 published (with ``eval/pass_at_<k>`` for every k of ``eval.pass_k``, and with a multi-benchmark
 eval source ``eval/benchmark_average`` (avg@k), ``eval/benchmark_average_pass_at_k``,
 ``eval/benchmark_average_pass_at_<k>`` and ``eval/<benchmark>/avg_at_k`` / ``pass_at_<k>``), and
-``dataflow/*`` counters at the current step.
+``dataflow/*`` counters at the current step. The headline pass@k is ``eval/pass_at_k`` (k =
+``eval.k``) and is not repeated as ``eval/pass_at_<k>``: the other k of ``eval.pass_k`` get their
+own tags (the same for the benchmark average and each benchmark).
+
+Beside each evaluated version's scalars it logs **a table of sample completions** (the
+dataflow keeps the first completion of each of the first few prompts reported:
+``GET /v1/eval/{model_id}/{version}/completions``): columns prompt, completion, reward,
+finish reason, with the completion decoded by the policy's tokenizer when the workflow sent token
+ids only. TensorBoard gets it as text (``eval/completions``, a markdown table, on the TEXT tab),
+a logger with ``log_table`` (Lightning's ``WandbLogger``) as a table; other loggers get none.
 
 The data algorithms (prompt curators, sample filters, replay) run in the dataflow, so their cost
 and effect are visible only there: ``dataflow/rollouts_generated`` (the rollout cost),
@@ -26,6 +35,8 @@ import time
 import lightning.pytorch as pl
 
 from astralight.dataflow.client import LazyDataflowClient
+
+from . import eval_table
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +74,25 @@ def eval_metrics(result: dict) -> dict[str, float]:
         if number is not None:
             out[tag] = number
 
-    for k, value in (result.get("pass_at") or {}).items():
+    headline = str(result.get("k")) if result.get("k") is not None else None
+
+    def others(table) -> list:
+        """pass@j for every j but the headline k (that one is already ``..._pass_at_k``)."""
+        return [(j, v) for j, v in (table or {}).items() if str(j) != headline]
+
+    for k, value in others(result.get("pass_at")):
         put(f"eval/pass_at_{_tag(k)}", value)
     put("eval/benchmark_average", result.get("benchmark_average"))
     put("eval/tool_call_rate", result.get("tool_call_rate"))  # tool workflows only
     put("eval/benchmark_average_pass_at_k", result.get("benchmark_average_pass_at_k"))
-    for k, value in (result.get("benchmark_average_pass_at") or {}).items():
+    for k, value in others(result.get("benchmark_average_pass_at")):
         put(f"eval/benchmark_average_pass_at_{_tag(k)}", value)
     for name, row in (result.get("benchmarks") or {}).items():
         if not isinstance(row, dict) or not row.get("n_reported", 1):
             continue
         put(f"eval/{_tag(name)}/avg_at_k", row.get("avg_at_k"))
         put(f"eval/{_tag(name)}/pass_at_k", row.get("pass_at_k"))
-        for k, value in (row.get("pass_at") or {}).items():
+        for k, value in others(row.get("pass_at")):
             put(f"eval/{_tag(name)}/pass_at_{_tag(k)}", value)
     return out
 
@@ -157,18 +174,27 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         steps_per_version: optimizer steps per published version, to place an eval of version v
             at step ``v * steps_per_version`` (default: the WeightPublisher's ``every_n_steps``).
         wait_final_eval_s: at the end of fit, wait up to this long for the evaluation of the
-            last published version so it reaches TensorBoard too (0: don't wait).
+            last published version so it reaches TensorBoard too (0: don't wait); that
+            evaluation is requested from the dataflow when ``eval.every`` would skip it.
         token: bearer token (default: env ``ASTRALIGHT_TOKEN``).
         balance_every: log the dataflow's balance report (trainer wait fraction, produced /
             accepted / consumed counts, the pool decision) over the last this many versions,
             every this many versions, as ``balance/*`` (0: off).
+        completions: rows of the sample-completions table logged with each evaluated version
+            (``eval/completions``: TensorBoard text, W&B table; at most what the dataflow keeps,
+            8); 0: off.
     """
 
     def __init__(self, dataflow_url: str | None = None, model_id: str | None = None,
                  every_n_steps: int = 5, steps_per_version: int | None = None,
                  wait_final_eval_s: float = 0.0, token: str | None = None,
-                 balance_every: int = 10):
+                 balance_every: int = 10, completions: int = 8):
         super().__init__()
+        if completions < 0:
+            raise ValueError(f"completions: must be >= 0 rows (0: off), got {completions}")
+        self.completions = completions
+        self._model_path: str | None = None
+        self._tokenizer = None  # loaded at the first completion sent as token ids
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
         if wait_final_eval_s < 0:
@@ -189,6 +215,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         dm = getattr(trainer, "datamodule", None)
         self.dataflow_url = self.dataflow_url or getattr(dm, "dataflow_url", None)
         self.model_id = self.model_id or getattr(pl_module, "model_id", None) or "policy"
+        self._model_path = getattr(pl_module, "model_path", None)
         if self.steps_per_version is None:
             from .weight_publisher import WeightPublisher
 
@@ -226,6 +253,7 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
                                  "eval/pass_at_k": float(result["pass_at_k"]),
                                  "eval/version": float(version), **eval_metrics(result)},
                                 step=version * self.steps_per_version)
+                self.log_completions(trainer, version, step=version * self.steps_per_version)
         stats = (all_stats.get("models") or {}).get(self.model_id, {})
         metrics = {**stat_metrics(stats), **plugin_metrics(all_stats.get("plugins"))}
         version = int(stats.get("current_version") or 0)
@@ -240,6 +268,34 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
             _log_everywhere(trainer, metrics, step=trainer.global_step)
         return evals
 
+    def log_completions(self, trainer: pl.Trainer, version: int, step: int) -> None:
+        """The table of sample completions of ``version`` (``eval/completions``; see
+        :mod:`astralight.callbacks.eval_table`). A service without the route turns it off."""
+        if not self.completions:
+            return
+        try:
+            rows = self.client.eval_completions(self.model_id, version, limit=self.completions)
+        except Exception as exc:  # an older service: no table, monitoring goes on
+            log.warning("DataflowMonitor: no completions table (%s)", exc)
+            self.completions = 0
+            return
+        if rows:
+            data = eval_table.table_rows(rows, self._decode)
+            eval_table.log_table(trainer.loggers, "eval/completions", eval_table.COLUMNS, data,
+                                 step)
+
+    def _decode(self, ids: list[int]) -> str | None:
+        """Token ids -> text with the policy's tokenizer (``model_path``), loaded once (tried
+        once: a folder without a tokenizer leaves the ids as they are)."""
+        if self._tokenizer is None:
+            path, self._model_path = self._model_path, None
+            if not path:
+                return None
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self.poll(trainer)
@@ -249,15 +305,40 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
             return
         last = trainer.global_step // max(1, self.steps_per_version)
         deadline = time.monotonic() + self.wait_final_eval_s
+        requested = False
         while True:
             evals = self.poll(trainer)
             done = evals.get(last, {}).get("complete", False)
             if done or last in self.logged_versions or time.monotonic() >= deadline:
                 break
+            if not requested and last not in evals:
+                requested = self._request_final_eval(last)
+                if requested is None:  # the service evaluates nothing: no eval to wait for
+                    break
             time.sleep(1.0)
         for logger in trainer.loggers:
             logger.finalize("success")
         self.close_client()
+
+    def _request_final_eval(self, version: int) -> bool | None:
+        """Ask the dataflow to evaluate ``version``, the trainer's last, whatever ``eval.every``
+        says (``POST /v1/eval``): without it a fit that ends between two multiples of
+        ``eval.every`` (``max_time``, a stop by SIGTERM) waited ``wait_final_eval_s`` for an
+        evaluation never scheduled. True once accepted; False to ask again (the version is not
+        published yet, the service does not answer); None when the service has no eval source."""
+        from astralight.dataflow.client import DataflowError
+
+        try:
+            self.client.request_eval(self.model_id, version)
+            return True
+        except DataflowError as exc:
+            if exc.status == 409 and exc.field == "eval":
+                return None
+            log.debug("DataflowMonitor: eval of version %d not scheduled yet (%s)", version, exc)
+            return False
+        except Exception as exc:  # monitoring must never stop training
+            log.debug("DataflowMonitor: eval of version %d not requested (%s)", version, exc)
+            return False
 
     # ------------------------------------------------------------------ checkpointing
 

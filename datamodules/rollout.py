@@ -65,8 +65,11 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID,
     and plain ``batch_id``, ``model_id``, ``policy_version`` (the dataflow's current version
     when it served the batch), ``trainer_version`` (the version of the weights the trainer
     will step with this batch, or None when unknown: see
-    :meth:`RolloutDataModule.trainer_version`), ``wait_s``, ``task_ids``, ``agent_stats`` (tool
-    workflows' per-sample means, :func:`astralight.agents.stats.batch_scalars`; empty otherwise).
+    :meth:`RolloutDataModule.trainer_version`), ``wait_s``, ``task_ids`` and ``metadata`` (one
+    entry per sample: its task, which groups samples, and the workflow's ``Sample.metadata``,
+    e.g. ``finish_reason``; :meth:`astralight.policy.RLPolicy.prepare_batch` passes both on to
+    the objective), ``agent_stats`` (tool workflows' per-sample means,
+    :func:`astralight.agents.stats.batch_scalars`; empty otherwise).
     """
     samples = batch.samples
     if not samples:
@@ -104,6 +107,7 @@ def collate_batch(batch: Any, wait_s: float = 0.0, pad_id: int = PAD_ID,
         "trainer_version": None if trainer_version is None else int(trainer_version),
         "wait_s": float(wait_s),
         "task_ids": [s.task_id for s in samples],
+        "metadata": [dict(s.metadata or {}) for s in samples],
         "agent_stats": batch_scalars(s.metadata for s in samples),
     }
 
@@ -306,6 +310,24 @@ class RolloutStream(IterableDataset):
         self._client = None
 
 
+class TrainerStopping:
+    """``is_set()``: the trainer ``owner.trainer`` wants to stop -- ``should_stop`` (what
+    ``astralight fit`` sets on SIGTERM, or an early-stopping callback) or Lightning's own
+    ``received_sigterm``. The datamodule's client takes it as its ``stop``, so that a pull waiting
+    for an unreachable dataflow gives up at once (``DataflowStopped``) instead of after
+    ``retry_s``: the fit loop would stop after that pull anyway."""
+
+    def __init__(self, owner: Any):
+        self.owner = owner
+
+    def is_set(self) -> bool:
+        trainer = getattr(self.owner, "trainer", None)
+        if trainer is None:
+            return False
+        return bool(getattr(trainer, "should_stop", False)
+                    or getattr(trainer, "received_sigterm", False))
+
+
 class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
     """Streams batches of ``model_id`` from the dataflow at ``dataflow_url``.
 
@@ -366,6 +388,14 @@ class RolloutDataModule(LazyDataflowClient, pl.LightningDataModule):
         self._resumed_step: int | None = None  # set by a checkpoint load, reported at first pull
 
     # ---------------------------------------------------------------- client
+
+    def make_client(self):
+        """The pull / ack client; it stops retrying an unreachable dataflow as soon as the
+        trainer wants to stop (:class:`TrainerStopping`): a SIGTERM must not wait out the
+        client's ``retry_s``."""
+        client = super().make_client()
+        client.stop = TrainerStopping(self)
+        return client
 
     def _trainer_id(self) -> str:
         if self.trainer_id:

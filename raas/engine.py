@@ -137,11 +137,17 @@ def engine_limits(engine: Any) -> dict[str, int]:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What a workflow may use. ``version`` is the policy version of the loaded weights.
+    """What a workflow may use. ``version`` is the policy version of the loaded weights;
+    ``tokenizer`` the model's (Hugging Face) tokenizer, for prompts and chat templates.
 
-    Optional attributes: ``max_model_len`` (context length; workflows keep episodes within it)
-    and ``vocab_size`` (the model's vocabulary); both are registered with the dataflow
-    (:func:`engine_limits`)."""
+    ``max_model_len``: the context length, prompt + completion tokens (vLLM's
+    ``max_model_len``). A workflow keeps every episode within it: a prompt that leaves no room is
+    skipped (:func:`astralight.workflows.base.encode_text_prompt`), each request's
+    ``max_tokens`` is clamped to the room left (:func:`clamp_max_tokens`), and a multi-turn
+    episode ends when its context is full. The RaaS registers it with the dataflow, which
+    refuses a pushed sample longer than it (:func:`engine_limits`). ``vocab_size``: the rows of
+    the model's embedding (no token id at or above it exists), registered the same way. Both are
+    optional only for engines that cannot know them (None or absent: nothing is checked)."""
 
     version: int
     tokenizer: Any

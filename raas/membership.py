@@ -1,5 +1,10 @@
 """Membership of a RaaS instance in the pool: register, heartbeat, rejoin, drain, hard stop.
 
+Joining: the first registration waits for a dataflow that is not up yet, for up to
+``dataflow_give_up_s``, saying "waiting for the dataflow at URL (n s)" every few seconds, and
+stops waiting as soon as :attr:`stop_event` is set. It sends the workflow's name: a dataflow whose
+``workflow:`` is another refuses the registration (409), which ends the RaaS with exit status 2.
+
 The service tracks its in-flight tasks (leased, not yet pushed or returned), so nothing it holds
 waits for a lease to expire when it can say so at once:
 
@@ -100,10 +105,12 @@ class Membership:
         return {"stats": totals} if totals else {}
 
     def register(self, client: Any = None) -> None:
-        """Register under this instance's id (one made up the first time), with its capacity
-        and its engines' limits (:meth:`registration_limits`)."""
+        """Join the pool at start-up: register under this instance's id (one made up the first
+        time), with its capacity, its workflow's name and its engines' limits
+        (:meth:`registration_limits`), waiting up to ``dataflow_give_up_s`` for a dataflow that
+        is not up yet (:meth:`_register_locked`)."""
         with self._register_lock:
-            self._register_locked(client or self.client)
+            self._register_locked(client or self.client, wait=True)
 
     def registration_limits(self) -> dict:
         """``{model_id: {vocab_size, max_model_len}}`` of the engines serving the registered
@@ -118,16 +125,26 @@ class Membership:
                 out[m] = limits
         return out
 
-    def _register_locked(self, client: Any) -> None:
+    def _register_locked(self, client: Any, wait: bool = False) -> None:
         """Register; while the dataflow says our fixed ``instance_id`` is still held by a live
         instance (403 ``instance_secret``: this RaaS restarted within ``lease_seconds`` and lost
         the secret with its process), wait for that registration to lapse, saying so, and try
-        again. It lapses ``lease_seconds`` after the old process was last heard from."""
+        again. It lapses ``lease_seconds`` after the old process was last heard from.
+
+        With ``wait`` (the first registration) an unreachable dataflow is waited for up to
+        ``dataflow_give_up_s`` (the client logs "waiting for the dataflow at URL (n s)" every few
+        seconds), and the wait ends at once when :attr:`stop_event` is set (raising
+        ``DataflowStopped``); a rejoin keeps the client's own ``retry_s`` (the runner's
+        ``dataflow_give_up_s`` counts its failures). A registration the dataflow
+        refuses (409: this RaaS runs another workflow than the dataflow's ``workflow:``; 422: a
+        bad field) raises ``DataflowError`` naming the key: a configuration error, not retried."""
         from astralight.dataflow.client import DataflowError
 
         deadline = None
         while True:
             try:
+                if wait:
+                    return self._register_waiting(client)
                 return self._register_once(client)
             except DataflowError as exc:
                 if exc.status != 403 or exc.field != "instance_secret":
@@ -150,9 +167,32 @@ class Membership:
         except Exception:  # noqa: BLE001 - an estimate for a wait is enough
             return float(self.lease_seconds)
 
+    def _register_waiting(self, client: Any) -> None:
+        """:meth:`_register_once` with the client retrying an unreachable dataflow for
+        ``dataflow_give_up_s`` and waking on :attr:`stop_event` (both restored afterwards: later
+        calls keep the client's own retry, and a drain must not cut the pushes it finishes)."""
+        give_up = float(getattr(self.config, "dataflow_give_up_s", 0.0) or 0.0)
+        saved = {name: getattr(client, name) for name in ("retry_s", "stop")
+                 if hasattr(client, name)}
+        if "retry_s" in saved and isinstance(saved["retry_s"], (int, float)):
+            client.retry_s = max(saved["retry_s"], give_up)
+        if "stop" in saved:
+            client.stop = self.stop_event
+        try:
+            return self._register_once(client)
+        finally:
+            for name, value in saved.items():
+                setattr(client, name, value)
+
+    def workflow_name(self) -> str:
+        """The name tasks must carry for this RaaS to run them (what the episode runner matches
+        ``Task.workflow`` against; "" runs any task), sent at registration: the dataflow refuses
+        an instance whose workflow is not its ``workflow:`` setting."""
+        name = getattr(self.config.workflow, "name", "")
+        return name if isinstance(name, str) else ""
+
     def _register_once(self, client: Any) -> None:
-        wf = self.config.workflow
-        meta = {"workflow": getattr(wf, "name", type(wf).__name__), "pid": os.getpid(),
+        meta = {"workflow": self.workflow_name(), "pid": os.getpid(),
                 "versions": {m: int(e.version) for m, e in self.engines.items()}}
         limits = self.registration_limits()
         reply = client.register(self.config.model_ids, self.config.max_concurrency,

@@ -247,6 +247,41 @@ class RaaSService(Membership):
             engine.close()
 
 
+#: exit status of a RaaS whose configuration the dataflow refused at registration (the
+#: launcher does not restart a component that exits 2: a restart would be refused again)
+REFUSED_EXIT = 2
+#: registration answers that are configuration errors: another workflow than the dataflow's
+#: ``workflow:`` (409), a field the dataflow cannot accept (422: limits, model_ids)
+REFUSED_STATUSES = (409, 422)
+
+
+def _start(service: RaaSService) -> int | None:
+    """``service.start()``; None when it joined the pool, else the exit status, said on one line:
+    :data:`REFUSED_EXIT` when the dataflow refused the registration (its message names both
+    values and the key to change), 1 when the dataflow never answered within
+    ``dataflow_give_up_s``, 0 when a stop was asked for while waiting for it."""
+    from astralight.dataflow.client import DataflowError, DataflowStopped, DataflowUnreachable
+
+    url = service.config.dataflow
+    try:
+        service.start()
+    except DataflowStopped as exc:
+        service.say(f"raas stopped before joining the pool: {exc}")
+        return 0
+    except DataflowUnreachable as exc:
+        service.say(f"raas giving up: {exc} (dataflow_give_up_s="
+                    f"{service.config.dataflow_give_up_s:g}); is the dataflow running at "
+                    f"--dataflow {url}?")
+        return 1
+    except DataflowError as exc:
+        if exc.status not in REFUSED_STATUSES:
+            raise
+        service.say(f"raas: the dataflow at {url} refused this instance's registration: "
+                    f"{exc.message}")
+        return REFUSED_EXIT
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astralight raas serve``; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -267,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     service = RaaSService(config)
     try:
-        service.start()
+        code = _start(service)
+        if code is not None:
+            return code
         signal.signal(signal.SIGTERM, service.request_stop)
         signal.signal(signal.SIGINT, service.request_stop)
         code = service.serve()

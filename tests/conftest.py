@@ -13,6 +13,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def _process_stop_state_is_per_test():
+    """Tests that run ``astralight fit`` in this process install its SIGTERM handler (the
+    client's ``wake_on_sigterm``), and a test that then raises SIGTERM sets the process-wide
+    ``STOP_WAITING`` flag: each test starts with SIGTERM's handler and that flag as they were."""
+    import signal
+
+    from astralight.dataflow.client import STOP_WAITING
+
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+    STOP_WAITING.clear()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

@@ -499,7 +499,9 @@ def garbage_pushes(url: str, vocab: int, group_size: int, db: Path, version: int
     try:
         iid = client.register(["policy"], capacity=len(cases) + len(raw_cases),
                               instance_id="garbage-raas",
-                              meta={"workflow": "garbage"})["instance_id"]
+                              # (no workflow name: the dataflow refuses one that is not its
+                              # own `workflow:`, and this client runs none)
+                              meta={"role": "garbage"})["instance_id"]
         tasks: list = []
         deadline = time.monotonic() + lease_timeout_s
         while len(tasks) < len(cases) + 1 and time.monotonic() < deadline:

@@ -1,8 +1,8 @@
 """HTTP face of the dataflow service (FastAPI): routes under ``/v1``, msgpack bodies.
 
 Request and response bodies are msgpack (``application/msgpack``, via :mod:`astralight.protocol`);
-only ``/v1/info``, ``/v1/stats``, ``/v1/eval/{model_id}`` and ``/v1/counters/{model_id}`` answer
-JSON, and weight files travel as raw bytes (with HTTP Range on download). A bad request gets a 4xx
+only ``/v1/info``, ``/v1/stats``, ``/v1/eval/{model_id}`` (and its ``/{version}/completions``, a
+few sample completions per evaluated version) and ``/v1/counters/{model_id}`` answer JSON, and weight files travel as raw bytes (with HTTP Range on download). A bad request gets a 4xx
 JSON ``{"error", "field"}``; an unexpected exception a 500 JSON, logged with its traceback; neither
 stops the server.
 
@@ -60,13 +60,13 @@ from contextlib import asynccontextmanager
 from stat import S_ISREG
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from astralight.dataflow import auth, membership
+from astralight.dataflow import auth, evals, membership
 from astralight.dataflow.auth import AccessGuard, Credentials, InstanceSecrets
 from astralight.dataflow.client import ACK_TIMEOUT_HEADER  # the pull's batch_ack_timeout_s
 from astralight.dataflow.config import DataflowConfig
@@ -591,11 +591,34 @@ def create_app(config: DataflowConfig, token: str | None = None,
         results = await run_in_threadpool(core.eval_results, model_id)
         return {str(v): r for v, r in results.items()}
 
+    def _request_eval(data: bytes) -> dict:
+        msg = decode_map(data, limit, ("model_id", "version"))
+        model_id = id_field(msg, "model_id")
+        version = int_field(msg, "version", 0, MAX_VERSION)
+        own_model(model_id)
+        return core.request_eval(model_id, version)
+
+    @app.post("/v1/eval")
+    async def request_eval(request: Request):
+        """Evaluate ``{model_id, version}`` (the current version) now, whatever ``eval.every``
+        says; once (:meth:`Dataflow.request_eval`)."""
+        return msgpack_response(await run_in_threadpool(_request_eval,
+                                                        await read_body(request, limit)))
+
+    @app.get("/v1/eval/{model_id}/{version}/completions")
+    async def eval_completions(model_id: str, version: int = Path(ge=0, le=MAX_VERSION),
+                               limit: int = Query(evals.COMPLETIONS_PER_VERSION, ge=1,
+                                                  le=evals.COMPLETIONS_PER_VERSION)):
+        own_model(model_id)
+        rows = await run_in_threadpool(core.eval_completions, model_id, version, limit)
+        return {"model_id": model_id, "version": version, "completions": rows}
+
     @app.get("/v1/balance/{model_id}")
     async def balance_report(model_id: str, window: int = Query(10, ge=1, le=MAX_COUNT),
-                             pool: int | None = Query(None, ge=0, le=MAX_COUNT)):
+                             pool: int | None = Query(None, ge=0, le=MAX_COUNT),
+                             last: int | None = Query(None, ge=0, le=MAX_VERSION)):
         own_model(model_id)
-        return await run_in_threadpool(core.balance, model_id, window, pool)
+        return await run_in_threadpool(core.balance, model_id, window, pool, None, last)
 
     @app.get("/v1/counters/{model_id}")
     async def version_counters(model_id: str, since: int = Query(0, ge=0, le=MAX_VERSION)):
@@ -622,6 +645,7 @@ def create_app(config: DataflowConfig, token: str | None = None,
         if instance_id is not None:
             check_id(instance_id, "instance_id")
         meta = check_json_value(field(msg, "meta", dict, {}), "meta")
+        membership.check_workflow(meta, config.workflow)  # 409 naming both names and the key
         capacity = int_field(msg, "capacity", 0, MAX_COUNT, 1)
         access = auth.current()
         with core.lock:  # (re-entrant: the check, the registration and the secret as one step)

@@ -265,6 +265,8 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("GET", "/v1/info"): _rule(*ANY),
     ("GET", "/v1/stats"): _rule(TRAINER),
     ("GET", "/v1/eval/{model_id}"): _rule(TRAINER, binds="model"),
+    ("GET", "/v1/eval/{model_id}/{version}/completions"): _rule(TRAINER, binds="model"),
+    ("POST", "/v1/eval"): _rule(TRAINER, binds="model"),
     ("GET", "/v1/balance/{model_id}"): _rule(TRAINER, binds="model"),
     ("GET", "/v1/counters/{model_id}"): _rule(TRAINER, binds="model"),
     ("POST", "/v1/register"): _rule(ROLLOUT, binds="instance"),

@@ -12,6 +12,14 @@ reaches a TLS dataflow by setting that one environment variable. Connection fail
 that a restarting service is waited for (every route is safe to repeat: pushes are idempotent by
 task id, and a pulled batch whose answer got lost is re-served after the ack timeout). A 4xx/5xx
 answer raises :class:`DataflowError` carrying the server's message, which names the bad field.
+
+Waiting is never silent and never deaf: a call that has retried for :data:`WAIT_LOG_AFTER_S`
+logs ``waiting for the dataflow at URL (n s ...)`` (a warning, so that a process that configured
+no logging -- a trainer -- still prints it), again every :data:`WAIT_LOG_EVERY_S`; and the retry
+loop wakes when the process is asked to stop -- :data:`STOP_WAITING`, set by the SIGTERM handler
+:func:`wake_on_sigterm` installs, or the client's own ``stop`` event -- raising
+:class:`DataflowStopped` at once instead of sleeping out ``retry_s`` (a trainer used to ignore
+SIGTERM for a minute while it waited for a dataflow that was not there).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import ssl
 import threading
 import time
@@ -34,7 +43,74 @@ MSGPACK = "application/msgpack"
 ACK_TIMEOUT_HEADER = "X-Batch-Ack-Timeout-S"
 #: request header carrying an instance's secret (see :class:`InstanceSecrets`)
 INSTANCE_SECRET_HEADER = "X-Astralight-Instance-Secret"
+#: a call that has retried this long logs its first "waiting for the dataflow" line
+WAIT_LOG_AFTER_S = 2.0
+#: then one line every this many seconds while it keeps retrying
+WAIT_LOG_EVERY_S = 5.0
+#: the longest a retrying call sleeps before it looks at the stop flags again
+STOP_POLL_S = 0.1
 log = logging.getLogger(__name__)
+
+
+class StopWaiting:
+    """A process-wide "stop waiting" flag: once set, no :class:`DataflowClient` in the process
+    retries an unreachable service any more (each call still makes its first attempt, so a
+    reachable dataflow is still told goodbye); a call already retrying raises
+    :class:`DataflowStopped` within :data:`STOP_POLL_S`.
+
+    A plain attribute, not a ``threading.Event``: it is set from a signal handler, which runs
+    between two bytecodes of the main thread, possibly inside ``Event.wait``'s own lock (setting
+    an Event there can deadlock); the retry loop polls it instead."""
+
+    def __init__(self):
+        self.reason: str | None = None
+
+    def set(self, reason: str = "stop requested") -> None:
+        self.reason = reason
+
+    def clear(self) -> None:
+        self.reason = None
+
+    def is_set(self) -> bool:
+        return self.reason is not None
+
+
+#: set by :func:`wake_on_sigterm`'s handler (or by hand); read by every client's retry loop
+STOP_WAITING = StopWaiting()
+#: what SIGTERM did before :func:`wake_on_sigterm` replaced it
+_PREVIOUS_SIGTERM: dict[int, Any] = {}
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM handler of :func:`wake_on_sigterm`: stop every retry loop, then let the signal do
+    what it did before. Called through another handler that chained this one (Lightning's, during
+    ``fit``: it stops the fit at the next step), only the flag is set: that handler acts on the
+    signal. Installed alone, the previous action follows: the previous handler, or the default
+    action (the process ends) when there was none."""
+    STOP_WAITING.set(f"{signal.Signals(signum).name} received")
+    if signal.getsignal(signum) is not _on_sigterm:
+        return  # a handler that chained this one is handling the signal
+    previous = _PREVIOUS_SIGTERM.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous in (signal.SIG_DFL, None):  # (None: a handler not set from Python)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def wake_on_sigterm() -> bool:
+    """Make SIGTERM wake every retrying dataflow call of this process (:data:`STOP_WAITING`),
+    keeping what SIGTERM did before (see :func:`_on_sigterm`). ``astralight fit`` calls it at
+    start-up; Lightning's own SIGTERM handler, installed when ``fit`` begins, chains it. Only the
+    main thread can install signal handlers: elsewhere this does nothing and returns False."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return True
+    _PREVIOUS_SIGTERM[signal.SIGTERM] = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
 
 
 class InstanceSecrets:
@@ -116,6 +192,11 @@ class DataflowUnreachable(DataflowError):
         super().__init__(None, message)
 
 
+class DataflowStopped(DataflowUnreachable):
+    """The process was asked to stop (:data:`STOP_WAITING`, or the client's ``stop`` event) while
+    a call was retrying an unreachable service: it gave up at once instead of after ``retry_s``."""
+
+
 class DataflowClient:
     """The one way components talk to the dataflow service (msgpack over HTTP).
 
@@ -124,14 +205,20 @@ class DataflowClient:
     upload_weight_file, publish.
     Everyone: info, stats, eval_results, current_version, manifests and weight downloads.
     Connection failures are retried with backoff for ``retry_s`` (a restarting service is waited
-    for); an HTTP error answer raises :class:`DataflowError` with the server's message and field.
+    for, with a "waiting for the dataflow" line every few seconds); an HTTP error answer raises
+    :class:`DataflowError` with the server's message and field. ``stop``: an object with
+    ``is_set()`` (a ``threading.Event``); while it is set -- or :data:`STOP_WAITING` is -- a failed
+    connection raises :class:`DataflowStopped` instead of being retried. It is an attribute: a
+    component may set it for some calls only (the RaaS, for its registration).
     """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0,
-                 retry_s: float = 60.0, ca_file: str | None = None, verify: bool | None = None):
+                 retry_s: float = 60.0, ca_file: str | None = None, verify: bool | None = None,
+                 stop: Any = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.retry_s = retry_s
+        self.stop = stop
         from astralight.dataflow.auth import check_token, client_token
 
         token = client_token() if token is None else token
@@ -165,7 +252,9 @@ class DataflowClient:
         sliced = raw is not None and len(raw) > UPLOAD_CHUNK_BYTES
         if sliced:
             hdrs["Content-Length"] = str(len(raw))
-        deadline = time.monotonic() + self.retry_s
+        started = time.monotonic()
+        deadline = started + self.retry_s
+        next_log = started + WAIT_LOG_AFTER_S
         delay = 0.1
         while True:
             try:
@@ -183,11 +272,17 @@ class DataflowClient:
                                               f"({exc}); pass ca_file= or set ASTRALIGHT_CA_FILE to "
                                               "the PEM of the CA that signed it",
                                         field="ca_file") from exc
-                if time.monotonic() + delay > deadline:
+                now = time.monotonic()
+                if now + delay > deadline:
                     raise DataflowUnreachable(f"dataflow at {self.url} unreachable for "
                                               f"{self.retry_s:.0f} s: {type(exc).__name__}: {exc}"
                                               ) from exc
-                time.sleep(delay)
+                if now >= next_log:
+                    log.warning("waiting for the dataflow at %s (%.0f s; %s: %s); retrying for up "
+                                "to %.0f s", self.url, now - started, type(exc).__name__, exc,
+                                self.retry_s)
+                    next_log = now + WAIT_LOG_EVERY_S
+                self._pause(delay, exc)
                 delay = min(delay * 2, 2.0)
         if resp.status_code >= 400:
             message, field = resp.text, None
@@ -201,6 +296,29 @@ class DataflowClient:
             raise DataflowError(resp.status_code, str(message), field,
                                 err if isinstance(err, dict) else None)
         return resp
+
+    def _stop_reason(self) -> str | None:
+        """Why this client must not retry now (None: it may)."""
+        if STOP_WAITING.is_set():
+            return STOP_WAITING.reason
+        stop = self.stop
+        if stop is not None and stop.is_set():
+            return "stop requested"
+        return None
+
+    def _pause(self, seconds: float, exc: BaseException) -> None:
+        """Sleep ``seconds`` between two attempts, in slices of :data:`STOP_POLL_S`; raise
+        :class:`DataflowStopped` as soon as a stop is requested (also before sleeping)."""
+        end = time.monotonic() + seconds
+        while True:
+            reason = self._stop_reason()
+            if reason is not None:
+                raise DataflowStopped(f"stopped waiting for the dataflow at {self.url} ({reason}); "
+                                      f"it was unreachable: {type(exc).__name__}: {exc}") from exc
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, STOP_POLL_S))
 
     def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
               instance_id: str | None = None) -> Any:
@@ -225,11 +343,28 @@ class DataflowClient:
         data = self._send("GET", f"/v1/eval/{model_id}").json()
         return {int(v): r for v, r in data.items()}
 
+    def eval_completions(self, model_id: str, version: int, limit: int | None = None) -> list[dict]:
+        """A few sample completions of the eval of ``version``
+        (GET /v1/eval/{model_id}/{version}/completions; see
+        :class:`astralight.dataflow.evals.CompletionLog`)."""
+        query = f"?limit={int(limit)}" if limit is not None else ""
+        path = f"/v1/eval/{model_id}/{int(version)}/completions{query}"
+        return self._send("GET", path).json()["completions"]
+
     # ------------------------------------------------------------------ RaaS side
 
-    def balance(self, model_id: str, window: int = 10, pool: int | None = None) -> dict:
-        """The balance report over the last ``window`` versions (GET /v1/balance/{model_id})."""
-        query = f"window={int(window)}" + (f"&pool={int(pool)}" if pool is not None else "")
+    def request_eval(self, model_id: str, version: int) -> dict:
+        """Evaluate ``version`` (the current one) of ``model_id`` whatever ``eval.every`` says,
+        once (POST /v1/eval): ``{model_id, version, evals_scheduled}``; a version not current
+        (yet) or a service without an eval source is a :class:`DataflowError` 409."""
+        return self._call("POST", "/v1/eval", {"model_id": model_id, "version": int(version)})
+
+    def balance(self, model_id: str, window: int = 10, pool: int | None = None,
+                last: int | None = None) -> dict:
+        """The balance report over the last ``window`` versions, or the ``window`` versions up
+        to ``last`` (GET /v1/balance/{model_id})."""
+        query = (f"window={int(window)}" + (f"&pool={int(pool)}" if pool is not None else "")
+                 + (f"&last={int(last)}" if last is not None else ""))
         return self._send("GET", f"/v1/balance/{model_id}?{query}").json()
 
     def counters(self, model_id: str, since: int = 0) -> dict[int, dict[str, int]]:

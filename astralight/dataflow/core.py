@@ -17,6 +17,7 @@ its commits are on disk, and concurrent requests share fsyncs (group commit, ``g
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -90,6 +91,8 @@ class Dataflow:
             except IndexError:
                 raise ValueError("eval.source: the eval source is empty") from None
             self.eval_prompts = evals.eval_size(self.eval_source)
+        #: a few sample completions per evaluated version (in memory; for the trainer's table)
+        self.eval_completion_log = evals.CompletionLog()
         self.store = Store(self.state_dir / "dataflow.db", group_commit=config.group_commit)
         #: every request holds it; its outermost release waits until the commits are durable
         self.lock = DurableLock(self.store.durability)
@@ -882,6 +885,12 @@ class Dataflow:
         self.store.insert_eval_report(target, row["eval_version"], row["prompt_index"],
                                       row["task_id"], now=now, **report)
         self._bump(target, "eval_samples_accepted", len(mine))
+        prompt = None
+        if self.eval_source is not None and row["prompt_index"] is not None:
+            with contextlib.suppress(Exception):  # the table is a view: never fail a push for it
+                prompt = self.eval_source.get(int(row["prompt_index"])).prompt
+        self.eval_completion_log.add(target, int(row["eval_version"]), int(row["prompt_index"]),
+                                     prompt, mine)
 
     # ------------------------------------------------------------------ trainer side
 
@@ -1361,12 +1370,17 @@ class Dataflow:
             return self.store.version_counters(model_id, since)
 
     def balance(self, model_id: str, window: int = 10, pool: int | None = None,
-                now: float | None = None) -> dict:
+                now: float | None = None, last: int | None = None) -> dict:
         """The balance report over the last ``window`` completed versions of ``model_id``
         (:mod:`astralight.dataflow.balance`) with the instance table. ``pool`` (G) defaults to
         the live instances (not gone or left), whose capacity units normalise the throughput;
         the wall time runs from the publication of the window's first version (version 0: when
-        the state folder first served) to that of the next version after it, or now."""
+        the state folder first served) to that of the next version after it, or now.
+
+        ``last`` ends the window at that version instead (at most the current one, whose window
+        is still open): a reader that asks for ``last=L`` and then ``last=L+window`` gets
+        windows that neither skip nor repeat a version, however late it asks (the launcher's
+        ``balance.jsonl``)."""
         self._model(model_id)
         if window < 1:
             raise ServiceError(422, "window", f"must be >= 1 versions, got {window}")
@@ -1374,7 +1388,10 @@ class Dataflow:
             raise ServiceError(422, "pool", f"must be >= 0 instances, got {pool}")
         with self.lock:
             current = self.versions[model_id]
-            last = max(current - 1, 0)
+            if last is not None and not 0 <= last <= current:
+                raise ServiceError(422, "last", f"must be a version in 0..{current} (the current "
+                                                f"version of {model_id!r}), got {last}")
+            last = max(current - 1, 0) if last is None else last
             first = max(last - window + 1, 0)
             now = time.time() if now is None else now
             table = self._instance_table(now)
@@ -1390,6 +1407,49 @@ class Dataflow:
                       weight_pause_s=round(sum(float(r["reported"].get("weight_pause_s", 0))
                                                for r in table), 4))
         return report
+
+    def request_eval(self, model_id: str, version: int, now: float | None = None) -> dict:
+        """Evaluate ``version`` of ``model_id`` whatever ``eval.every`` says, once (a version
+        already evaluated or scheduled is left as it is: ``evals_scheduled`` 0).
+
+        Why: a run that stops at a version that is not a multiple of ``eval.every`` (a time
+        budget, a target accuracy, a trainer's own ``max_time``, ``stop.versions`` chosen freely)
+        would otherwise end without an evaluation of its last version. The launcher asks for
+        it when the run stops, the trainer's DataflowMonitor at the end of fit.
+
+        Only the current version can be newly scheduled: eval tasks are generated with the
+        weights the RaaS hold, which are the current version's, so an older version's eval
+        would be mislabelled (409); a version not published yet is a 409 too (ask again once it
+        is). A service without ``eval.source`` answers 409.
+        """
+        mid = self._model(model_id)
+        if self.eval_source is None:
+            raise ServiceError(409, "eval", "this service has no eval.source, so nothing can be "
+                                            "evaluated; set dataflow.eval.source")
+        now = time.time() if now is None else now
+        with self.lock:
+            current = self.versions[mid]
+            if self.store.eval_run_exists(mid, version):
+                return {"model_id": mid, "version": version, "evals_scheduled": 0}
+            if version != current:
+                when = "is not published yet" if version > current else "is not the current one"
+                raise ServiceError(409, "version", (
+                    f"version {version} of {mid!r} {when} (current {current}); only the current "
+                    f"version can be evaluated on request (its eval tasks are generated with the "
+                    f"weights the RaaS hold)"))
+            with self.store.tx():
+                n = evals.schedule(self.store, self.eval_source, mid, version, self.model_ids,
+                                   self.config.eval.k, self.config.workflow, now,
+                                   n=self.config.eval.samples(), pass_k=self.config.eval.pass_ks())
+        log.info("scheduled %d eval tasks for %s version %d on request", n, mid, version)
+        return {"model_id": mid, "version": version, "evals_scheduled": n}
+
+    def eval_completions(self, model_id: str, version: int, limit: int | None = None) -> list[dict]:
+        """Sample completions of the eval of ``(model_id, version)`` (at most ``limit``; see
+        :class:`astralight.dataflow.evals.CompletionLog`); empty when none were kept."""
+        self._model(model_id)
+        with self.lock:
+            return self.eval_completion_log.get(model_id, version, limit)
 
     def eval_results(self, model_id: str) -> dict[int, dict]:
         self._model(model_id)

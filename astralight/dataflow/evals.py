@@ -6,7 +6,9 @@ samples (``eval.n``, default ``eval.k``). Eval tasks are leased before train tas
 never enter a training queue. Each pushed eval task leaves one compact report row (samples,
 correct samples, reward sum and the policy versions that actually generated the tokens); the
 results are aggregated on read: avg@k (mean reward) and the unbiased pass@k for every k of
-``eval.pass_k``, overall, per benchmark and averaged over benchmarks.
+``eval.pass_k``, overall, per benchmark and averaged over benchmarks. A few sample completions
+per evaluated version are kept in memory (:class:`CompletionLog`) for the trainer's table of
+completions (``GET /v1/eval/{model_id}/{version}/completions``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from astralight.tasks.base import PromptSource
 CORRECT_THRESHOLD = 0.5
 #: refuse eval sources larger than this: an eval set must be finite and cheap to re-run
 MAX_EVAL_PROMPTS = 100_000
+#: sample completions kept per evaluated version (one per prompt, the first prompts reported)
+COMPLETIONS_PER_VERSION = 8
+#: evaluated versions whose completions are kept, per policy (the oldest are forgotten)
+COMPLETION_VERSIONS = 64
+#: characters kept of a prompt / of a completion's text; generated token ids kept when the
+#: workflow gave no text
+COMPLETION_TEXT_CHARS = 2000
+COMPLETION_TOKENS = 512
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -250,3 +260,77 @@ def benchmark_map(source: PromptSource | None) -> dict[int, str] | None:
     except TypeError:  # not weak-referenceable: recomputed next time
         pass
     return result
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt (text, or chat messages) as one readable string."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        parts = []
+        for message in prompt:
+            if isinstance(message, dict):
+                parts.append(f"{message.get('role', '?')}: {message.get('content', '')}")
+            else:
+                parts.append(str(message))
+        return "\n".join(parts)
+    return str(prompt)
+
+
+def completion_row(prompt_index: int, prompt, sample: Sample) -> dict:
+    """One row of the completions table: the prompt, the completion (the workflow's text, else
+    its generated token ids for the trainer to decode), reward, finish reason, versions; bounded
+    by :data:`COMPLETION_TEXT_CHARS` / :data:`COMPLETION_TOKENS`."""
+    meta = sample.metadata or {}
+    text = meta.get("completion")
+    generated = sample.token_ids[sample.loss_mask.astype(bool)]
+    gen = sample.versions[sample.loss_mask.astype(bool)]
+    return {
+        "prompt_index": int(prompt_index),
+        "sample_index": int(sample.sample_index),
+        "prompt": _prompt_text(prompt)[:COMPLETION_TEXT_CHARS] if prompt is not None else None,
+        "completion": text[:COMPLETION_TEXT_CHARS] if isinstance(text, str) else None,
+        "completion_ids": (None if isinstance(text, str)
+                           else [int(t) for t in generated[:COMPLETION_TOKENS]]),
+        "reward": float(sample.reward),
+        "correct": bool(sample.reward > CORRECT_THRESHOLD),
+        "finish_reason": meta.get("finish_reason") if isinstance(meta.get("finish_reason"), str)
+        else None,
+        "min_version": int(gen.min()) if gen.size else None,
+        "max_version": int(gen.max()) if gen.size else None,
+    }
+
+
+class CompletionLog:
+    """A few sample completions per evaluated ``(model_id, version)``, for the trainer's
+    TensorBoard / W&B table (``GET /v1/eval/{model_id}/{version}/completions``).
+
+    Bounded: the first completion (a first attempt) of each of the first ``per_version``
+    prompts reported, for the newest ``max_versions`` versions of each policy. In memory only:
+    it is a view for people, not state -- a restarted dataflow shows none for the versions
+    evaluated before the restart (the eval scores themselves are in SQLite).
+    """
+
+    def __init__(self, per_version: int = COMPLETIONS_PER_VERSION,
+                 max_versions: int = COMPLETION_VERSIONS):
+        self.per_version, self.max_versions = per_version, max_versions
+        self._rows: dict[str, dict[int, list[dict]]] = {}
+
+    def add(self, model_id: str, version: int, prompt_index: int, prompt,
+            samples: list[Sample]) -> None:
+        versions = self._rows.setdefault(model_id, {})
+        rows = versions.get(version)
+        if rows is None:
+            if len(versions) >= self.max_versions:
+                del versions[min(versions)]
+            rows = versions[version] = []
+        if len(rows) >= self.per_version or not samples:
+            return
+        if any(r["prompt_index"] == prompt_index for r in rows):  # a re-pushed task
+            return
+        first = [s for s in samples if int(s.metadata.get("attempt", 0)) == 0] or samples
+        rows.append(completion_row(prompt_index, prompt, first[0]))
+
+    def get(self, model_id: str, version: int, limit: int | None = None) -> list[dict]:
+        rows = self._rows.get(model_id, {}).get(version, [])
+        return [dict(r) for r in rows[:limit if limit is not None else len(rows)]]

@@ -23,6 +23,10 @@ and pad a whole batch to the second). The dataflow's own ``vocab_sizes`` config 
 registration must agree with it, and with what the other live instances serving the same
 model_id registered (they must serve the same model).
 
+**Workflow.** A RaaS registers the name of the workflow it runs (``meta["workflow"]``); one that is
+not the dataflow's ``workflow:`` setting is refused (409 ``workflow``, :func:`check_workflow`),
+since every task names that setting and the RaaS would hand every task back.
+
 Pure functions over plain values: the service core feeds them stored rows and the clock, tests
 feed them hand-made values.
 """
@@ -150,6 +154,31 @@ def instance_table(rows: Iterable[Mapping], now: float, held: Mapping[str, int],
     for r in table:
         r["throughput_share"] = round(r["samples_pushed"] / total, 4)
     return table
+
+
+# ----------------------------------------------------------------------------- workflow
+
+
+def check_workflow(meta: Mapping, workflow: str) -> None:
+    """Refuse a registration whose RaaS runs another workflow than this dataflow's ``workflow:``.
+
+    Every task the dataflow creates names its ``workflow:`` setting (``Task.workflow``), and a
+    RaaS runs only the tasks that name its workflow class's ``name`` (it returns the others): an
+    instance whose names differ would lease, return and lease the same tasks forever. The RaaS
+    says its workflow's name at registration (``meta["workflow"]``); a name that differs is
+    refused with 409 naming both values and the settings to change. A registration that names no
+    workflow (an older RaaS, a client of one's own) or an empty name (a workflow that runs any
+    task) is not checked.
+    """
+    theirs = meta.get("workflow") if isinstance(meta, Mapping) else None
+    if not isinstance(theirs, str) or not theirs or theirs == workflow:
+        return
+    raise ServiceError(409, "workflow", (
+        f"this RaaS runs workflow {theirs!r} (its workflow class's `name`) but this dataflow's "
+        f"`workflow:` setting is {workflow!r}, and every task it creates asks for {workflow!r}: "
+        f"the RaaS could run none of them. Set the dataflow's `workflow: {theirs}` (a recipe's "
+        f"`dataflow.workflow`), or give the RaaS a `workflow:` whose class is named "
+        f"{workflow!r}"))
 
 
 # ----------------------------------------------------------------------------- engine limits

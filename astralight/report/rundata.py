@@ -1,8 +1,9 @@
 """Read a run folder into plain Python data, without changing it.
 
 A run folder is what ``astralight run RECIPE --run-dir D`` writes: ``summary.json`` (the
-launcher's last word, absent when the run did not finish), ``balance.txt`` (a readable line then
-the JSON of each balance report), ``dataflow/dataflow.db`` (the dataflow service's SQLite state),
+launcher's last word, absent when the run did not finish), ``balance.jsonl`` (each balance
+report; an older run's ``balance.txt`` mixed a readable line then the JSON of each),
+``dataflow/dataflow.db`` (the dataflow service's SQLite state),
 ``tensorboard/<name>/version_*/events.*`` (one TensorBoard logger per trainer), ``logs/`` and
 ``configs/``, and with an autoscaler ``autoscale.jsonl`` (its decisions).
 
@@ -64,6 +65,18 @@ class RunData:
     ``scalars``: ``{logger name: {tag: [(step, value), ...]}}`` from TensorBoard, sorted by step.
     ``instances``: rows of the dataflow's instance table (dicts).
     ``pool_decisions``: the autoscaler's decisions log entries.
+    ``eval_versions``: ``{model_id: [version, ...]}``, every version an eval was scheduled for
+    (complete or not: the wait-fraction plot marks them).
+    ``eval_later``: ``{model_id: {version: prompts}}``, per eval version the number of eval
+    prompts some of whose tokens came from a version *after* the label (the RaaS picked up newer
+    weights while the eval ran); absent where the DB has no per-prompt reports.
+    ``staleness``: ``{model_id: {(reference version, staleness): samples}}`` over every trained
+    sample (the dataflow DB: acknowledged batches, fresh and replayed samples), staleness being
+    the reference version minus the oldest version behind the sample's loss-masked tokens;
+    ``staleness_reference[model_id]`` says which reference: ``"trainer"`` (the trainer's own
+    version at the pull, ``(acked_step - 1) // every_n_steps`` of its WeightPublisher, as
+    ``train/staleness_*`` measures) or ``"dataflow"`` (the dataflow's version when it served the
+    batch, when the trainer config or the acked steps are missing: up to one version lower).
     ``notes``: what could not be read, and why (shown in summary.txt).
     """
 
@@ -86,6 +99,10 @@ class RunData:
     db_path: Path | None = None
     #: the TensorBoard loggers read: ``(name in scalars, folder, [event folders])``
     tensorboard: list[tuple[str, Path, list[Path]]] = field(default_factory=list)
+    eval_versions: dict[str, list[int]] = field(default_factory=dict)
+    eval_later: dict[str, dict[int, int]] = field(default_factory=dict)
+    staleness: dict[str, dict[tuple[int, int], int]] = field(default_factory=dict)
+    staleness_reference: dict[str, str] = field(default_factory=dict)
 
 
 class ReadOnlyStore(Store):
@@ -181,30 +198,24 @@ def _read_summary(data: RunData) -> None:
 
 
 def read_balance(path: Path) -> list[dict]:
-    """The JSON reports of ``balance.txt`` (its readable lines are skipped)."""
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict):
-            out.append(entry)
-    return out
+    """The JSON reports of ``balance.jsonl``, or of an older run's ``balance.txt`` (which mixed
+    readable lines, skipped here, with the JSON)."""
+    from astralight.run_balance import read_jsonl
+
+    return read_jsonl(path)  # an old balance.txt's readable lines do not parse: skipped
 
 
 def _read_balance(data: RunData) -> None:
-    path = data.run_dir / "balance.txt"
+    path = data.run_dir / "balance.jsonl"
+    if not path.is_file():  # a run folder written before balance.jsonl existed
+        path = data.run_dir / "balance.txt"
     if not path.is_file():
-        data.notes.append("balance.txt is missing (no balance report was written)")
+        data.notes.append("balance.jsonl is missing (no balance report was written)")
         return
     try:
         data.balance = read_balance(path)
     except OSError as exc:
-        data.notes.append(f"balance.txt is unreadable ({exc})")
+        data.notes.append(f"{path.name} is unreadable ({exc})")
 
 
 def _db_path(run_dir: Path) -> Path:
@@ -275,6 +286,7 @@ def _read_db(data: RunData, db: Path | None = None) -> None:
     try:
         data.model_ids = store.model_ids()
         _read_db_evals(data, store)
+        _read_db_staleness(data, store)
         for m in data.model_ids:
             try:
                 counters = store.version_counters(m)
@@ -316,9 +328,70 @@ def _read_db_evals(data: RunData, store: ReadOnlyStore) -> None:
         data.notes.append(f"per-benchmark eval lines: {why}")
     for m in data.model_ids:
         table = evals_mod.aggregate(store, m, benchmarks)
+        if table:
+            data.eval_versions[m] = sorted(table)
         complete = {v: row for v, row in table.items() if row.get("complete")}
         if complete:
             data.evals[m] = complete
+        later = {}
+        for v in complete:
+            reports = store.eval_reports(m, v)
+            later[v] = sum(1 for r in reports
+                           if r["max_version"] is not None and r["max_version"] > v)
+        if later:
+            data.eval_later[m] = later
+
+
+#: trained samples per (reference version, min_version) of one policy: fresh samples carry their
+#: batch's id; replayed ones are in ``replays`` (one row per batch that carried them)
+_TRAINED_SAMPLES = """
+    SELECT b.policy_version AS served, b.acked_step AS step, s.min_version AS v, COUNT(*) AS n
+      FROM samples s JOIN batches b ON b.batch_id = s.batch_id
+     WHERE s.model_id = ? AND s.state = 'acked' AND b.state = 'acked'
+     GROUP BY served, step, v
+    UNION ALL
+    SELECT b.policy_version, b.acked_step, s.min_version, COUNT(*)
+      FROM replays r JOIN samples s ON s.id = r.sample_id JOIN batches b ON b.batch_id = r.batch_id
+     WHERE s.model_id = ? AND r.state = 'acked' AND b.state = 'acked'
+     GROUP BY b.policy_version, b.acked_step, s.min_version
+"""
+
+
+def publisher_every_n_steps(run_dir: Path, model_id: str) -> int | None:
+    """``every_n_steps`` of the WeightPublisher in ``configs/trainer-<model_id>.yaml`` (1 when
+    the callback leaves it at its default), or None without that config or that callback."""
+    try:
+        cfg = yaml.safe_load((run_dir / "configs" / f"trainer-{model_id}.yaml").read_text())
+        callbacks = (cfg.get("trainer") or {}).get("callbacks") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    for cb in callbacks if isinstance(callbacks, list) else []:
+        path = cb.get("class_path", "") if isinstance(cb, dict) else ""
+        if path.rsplit(".", 1)[-1] == "WeightPublisher":
+            every = (cb.get("init_args") or {}).get("every_n_steps", 1)
+            return int(every) if isinstance(every, int) and every >= 1 else None
+    return None
+
+
+def _read_db_staleness(data: RunData, store: ReadOnlyStore) -> None:
+    """Per policy, trained samples per (reference version, staleness): see :class:`RunData`."""
+    for m in data.model_ids:
+        try:
+            rows = store.conn.execute(_TRAINED_SAMPLES, (m, m)).fetchall()
+        except sqlite3.Error as exc:
+            data.notes.append(f"dataflow DB: no trained samples to measure staleness ({exc})")
+            return
+        if not rows:
+            continue
+        every = publisher_every_n_steps(data.run_dir, m)
+        trainer = every is not None and all(r["step"] is not None for r in rows)
+        table: dict[tuple[int, int], int] = {}
+        for r in rows:
+            ref = (int(r["step"]) - 1) // every if trainer else int(r["served"])
+            key = (ref, ref - int(r["v"]))
+            table[key] = table.get(key, 0) + int(r["n"])
+        data.staleness[m] = table
+        data.staleness_reference[m] = "trainer" if trainer else "dataflow"
 
 
 def _evals_from_summary(data: RunData) -> None:
@@ -484,6 +557,8 @@ def load_run(run_dir: str | Path, tensorboard: tuple | list = (),
     _read_balance(data)
     _read_db(data, Path(db) if db is not None else None)
     _evals_from_summary(data)
+    for m, table in data.evals.items():
+        data.eval_versions.setdefault(m, sorted(table))
     _per_version_from_summary(data)
     _read_tensorboard(data, extra)
     _read_pool(data)

@@ -118,3 +118,7 @@ def build_search_policy(out_dir: str | Path, data_dir: str | Path, seed: int = 0
         provenance={"task": "search_agent", "data_dir": str(data_dir), "n_people": n_people,
                     "eval_share": eval_share, "relations": relations, "tool_args": args,
                     "search_share": search_share, "spec": dataclasses.asdict(shape)})
+
+
+#: the vocabulary of the model it builds, before it is built (astralight.launch.prepared_vocab_size)
+build_search_policy.vocab_size = lambda spec=None, **_: _chat_spec(spec).vocab_size

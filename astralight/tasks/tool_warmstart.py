@@ -31,6 +31,7 @@ from astralight.agents.toy_tools import add
 from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.chat_warmstart import build_chat_policy
 from astralight.tasks.warmstart import Progress
+from astralight.tinymodel import CHAT_MODEL_SPEC
 
 #: the toy tool task's prompt source arguments (besides split/seed)
 TOOL_SOURCE_KWARGS: dict = {"min_operand": 100, "max_operand": 999, "ops": "+"}
@@ -90,3 +91,7 @@ def build_tool_policy(out_dir: str | Path, conversations: int = 4000,
         num_threads=num_threads,
         provenance={"task": "tool_use", "tool_share": tool_share, "result_noise": result_noise,
                     "source_kwargs": TOOL_SOURCE_KWARGS})
+
+
+#: the vocabulary of the model it builds, before it is built (astralight.launch.prepared_vocab_size)
+build_tool_policy.vocab_size = lambda **_: CHAT_MODEL_SPEC.vocab_size

@@ -74,8 +74,14 @@ def encode_examples(tokenizer, prompts: list[str], answers: list[str]):
         a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
         rows.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
+    return pad_examples(rows, masks, PAD_ID)
+
+
+def pad_examples(rows: list[list[int]], masks: list[list[int]], pad_id: int):
+    """Token rows and their loss masks as right-padded ``ids`` / ``attention`` long and
+    ``loss_mask`` float tensors ``[n, longest]`` (the warm starts' batch layout)."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, (r, m) in enumerate(zip(rows, masks)):
@@ -396,6 +402,11 @@ def _check_args(source_kwargs: dict, sft_steps: int, batch_size: int, lr: float,
         if key in source_kwargs:
             raise ValueError(f"source_kwargs: do not pass {key!r}; the warm start uses the train "
                              "split and its own seed argument")
+    check_sft_args(sft_steps, batch_size, lr, label_smoothing)
+
+
+def check_sft_args(sft_steps: int, batch_size: int, lr: float, label_smoothing: float) -> None:
+    """Raise ValueError naming the first supervised warm-start argument out of range."""
     if sft_steps < 0:
         raise ValueError(f"sft_steps: must be >= 0, got {sft_steps}")
     if batch_size < 1:
@@ -638,6 +649,30 @@ def build_toy_solver_verifier(out_dir: str | Path, source_kwargs: dict | None = 
             continue
         builder(sub, **common, **(extra or {}))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# vocabulary sizes before a build: a prepare function's ``vocab_size(**kwargs)`` tells the
+# launcher the vocabulary of the model it will build, so `astralight run --export-configs` can
+# write the dataflow's ``vocab_sizes`` before the model exists (astralight.launch.prepared_vocab_size)
+
+
+def _tiny_vocab_size(spec: TinyModelSpec | dict | None = None, **_: object) -> int:
+    """The vocabulary of the tiny model a builder makes with these keyword arguments."""
+    return _as_spec(spec).vocab_size
+
+
+def _pair_vocab_size(solver: dict | None = None, verifier: dict | None = None,
+                     **_: object) -> int | None:
+    """One vocabulary size for both models of the pair, None if their specs differ."""
+    sizes = {_tiny_vocab_size((extra or {}).get("spec")) for extra in (solver, verifier)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+build_toy_policy.vocab_size = _tiny_vocab_size
+build_toy_solver.vocab_size = _tiny_vocab_size
+build_toy_verifier.vocab_size = _tiny_vocab_size
+build_toy_solver_verifier.vocab_size = _pair_vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:

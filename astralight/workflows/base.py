@@ -37,6 +37,52 @@ class Workflow:
     {task_id: samples}``, engines with a blocking ``generate(prompts, spec) -> [Completion]`` --
     still works: :func:`as_episode_runner` adapts it (each task runs on an executor thread with
     blocking engine views).
+
+    **The name.** ``name`` must equal the dataflow's ``workflow:`` setting: every task the
+    dataflow creates carries that name (``Task.workflow``), the RaaS runs only tasks that name its
+    workflow and hands the others back, and it sends ``name`` when it registers -- the dataflow
+    refuses (409) a RaaS whose workflow has another name. An empty ``name`` runs any task.
+
+    **The sample contract** -- what the dataflow, the trainer and the eval read from the samples
+    ``run`` returns (the dataflow refuses a push that breaks a checked rule with a 422 naming the
+    field; the unchecked ones fail silently, hence this list):
+
+    - ``task_id`` is ``task.task_id``; ``model_id`` one of ``task.model_ids`` (``task.n``
+      episodes for each); ``sample_index`` unique per task *and* model_id -- it is the push's
+      idempotency key (task, model_id, sample_index), and a repeat refuses the whole push.
+    - tokens in, tokens out: ``token_ids`` is prompt + completion (+ environment turns), never
+      re-tokenized text; ``logprobs`` the engine's behaviour log-prob of every generated token
+      (0 elsewhere); ``loss_mask`` 1 on generated tokens only, and at least one (a sample with
+      none is refused); ``versions`` the policy version of every token (the engine's
+      ``Completion.versions``; -1 on prompt and environment tokens), none newer than the
+      published version. At most the engine's ``max_model_len`` tokens, ids below its
+      ``vocab_size`` (both registered by the RaaS: :func:`astralight.raas.engine.engine_limits`).
+    - ``reward``: a finite float. Advantages are normalised per (``model_id``, ``role``) group
+      of a task. On eval tasks (``task.kind == "eval"``) avg@k is the mean reward and a sample
+      counts as **correct for pass@k when reward > 0.5**
+      (:data:`astralight.dataflow.evals.CORRECT_THRESHOLD`): a 0/1 reward works as is, a graded
+      one must put "right" above 0.5.
+
+    Sample metadata keys the system reads (everything else is the workflow's own):
+
+    - ``metadata["temperature"]``: the temperature the sample was drawn at. The trainer compares
+      it with its policy's ``temperature`` (behaviour log-probs are only comparable at the same
+      temperature) and the dataflow with its ``temperatures`` config, refusing a mismatch;
+      **without the key both checks are silently skipped** and a mismatch trains on wrong ratios.
+      Always set it (:class:`Reply` carries it); 0 (greedy) only on eval tasks.
+    - ``metadata["attempt"]``: an int >= 0 in a multi-step workflow, 0 on a first attempt and
+      > 0 on a retry; an eval counts only first attempts as the policy's accuracy.
+    - ``metadata["team_correct"]``: on the first attempts of a team workflow (solver +
+      verifier), whether the team's final answer was right; when every first attempt has it the
+      eval reports ``team_accuracy``.
+    - ``metadata["tool_calls"]``, ``metadata["turns"]``, ``metadata["tool_errors"]`` (a dict of
+      counts per error kind): an agent episode's counts (ints, at most ``MAX_METADATA_COUNT``),
+      summed into the dataflow's counters and the trainer's ``agent/*`` scalars;
+      ``metadata["segment"]``: the index of the sample within an episode split into several
+      samples (one per model call): only segment 0 (or a sample without the key) counts the
+      episode, so it is counted once.
+    - ``metadata["finish_reason"]``: ``"length"`` when the engine cut the completion at
+      ``max_tokens`` (the ``length`` sample filter's ``drop_truncated`` drops those groups).
     """
 
     name: str = ""

@@ -84,7 +84,7 @@ def load_agent(agent: Any) -> Callable[..., Any]:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"agent: cannot import {agent!r} ({exc}); is its folder on "
-                         "PYTHONPATH (recipe env.raas.PYTHONPATH)?") from None
+                         "PYTHONPATH (a recipe's `pythonpath:` folders are)?") from None
     if not callable(fn):
         raise ValueError(f"agent: {agent!r} is a {type(fn).__name__}, not a function")
     return fn

@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from astralight.launch import load_recipe
+from astralight.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ALGORITHMS_DIR = REPO / "configs" / "toy" / "algorithms"
@@ -237,13 +237,14 @@ def log(msg: str) -> None:
 
 def prepare_shared_model(recipe_path: Path, run_root: Path) -> Path | None:
     """Build the recipe's initial policy once (every variant shares the parent's prepare step)."""
-    from astralight.launch import _substitute, prepare_initial_model
+    from astralight.launch import prepare_initial_model
+    from astralight.recipe import substitute
 
     recipe = load_recipe(recipe_path)
     if not recipe.get("prepare"):
         return None
     shared = run_root / "_prepared"
-    recipe = _substitute(recipe, {"run_dir": shared, "seed": recipe.get("seed", 0)})
+    recipe = substitute(recipe, {"run_dir": shared, "seed": recipe.get("seed", 0)})
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the results
         return Path(prepare_initial_model(recipe, shared))
 
@@ -258,22 +259,20 @@ def run_variant(variant: Variant, recipe: dict, run_dir: Path, init_model: Path 
     if init_model is not None:
         shutil.copytree(init_model, run_dir / "models" / "init")
     argv = [sys.executable, "-m", "astralight.cli", "run", str(recipe_path), "--run-dir", str(run_dir)]
-    log_path = run_dir / "launch.log"
+    # (the launcher keeps its own output in run_dir/launch.log)
     tail: list[str] = []
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, cwd=REPO)
-        try:
-            for line in proc.stdout:
-                log_file.write(line)
-                tail = (tail + [line.rstrip("\n")])[-40:]
-                if not quiet and not line.startswith("{"):  # the final JSON goes to the results
-                    log(f"  [{variant.name}] {line.rstrip()}")
-        except KeyboardInterrupt:
-            # Ctrl-C reached the launcher too (same process group): let it stop its components
-            proc.wait()
-            raise
-        rc = proc.wait()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, cwd=REPO)
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip("\n")])[-40:]
+            if not quiet and not line.startswith("{"):  # the final JSON goes to the results
+                log(f"  [{variant.name}] {line.rstrip()}")
+    except KeyboardInterrupt:
+        # Ctrl-C reached the launcher too (same process group): let it stop its components
+        proc.wait()
+        raise
+    rc = proc.wait()
     summary = None
     if (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())

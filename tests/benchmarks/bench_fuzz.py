@@ -228,6 +228,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "/v1/ack": {"batch_id": "str", "wait_s": "num", "step_s": "num", "step": "int"},
     "/v1/batches/extend": {"batch_id": "str"},
     "/v1/trainer/resumed": {"model_id": "str", "step": "int"},
+    "/v1/eval": {"model_id": "str", "version": "int"},
 }
 BODY_ROUTES = list(SCHEMAS) + ["/v1/publish"]
 
@@ -250,6 +251,7 @@ def base_body(ctx: Context, path: str) -> dict:
         "/v1/ack": {"batch_id": "no-such-batch", "wait_s": 0.1, "step_s": 0.2, "step": 1},
         "/v1/trainer/resumed": {"model_id": ctx.model_id, "step": 10**6},
         "/v1/batches/extend": {"batch_id": "no-such-batch"},
+        "/v1/eval": {"model_id": ctx.model_id, "version": ctx.version},
         "/v1/publish": raw(manifest(ctx, ctx.version + 1))["body"],
     }[path]
 
@@ -464,6 +466,11 @@ def gen_negative_size(rng: random.Random, ctx: Context) -> BadRequest:
                         f"window={2**64}", "window=1e3", "pool=abc"])
         return BadRequest("negative_size", "GET", f"/v1/balance/{ctx.model_id}?{q}")
     if how == 9:
+        if rng.random() < 0.5:  # the completions of an eval: version and limit bounded
+            q = rng.choice(["-1/completions", f"{2**80}/completions", "x/completions",
+                            "0/completions?limit=0", "0/completions?limit=-3",
+                            f"0/completions?limit={10**9}", "0/completions?limit=abc"])
+            return BadRequest("negative_size", "GET", f"/v1/eval/{ctx.model_id}/{q}")
         q = rng.choice(["since=-1", f"since={2**80}", "since=x", "since=1.5"])
         return BadRequest("negative_size", "GET", f"/v1/counters/{ctx.model_id}?{q}")
     if how == 10:
@@ -503,7 +510,8 @@ def gen_unknown_model(rng: random.Random, ctx: Context) -> BadRequest:
         body = base_body(ctx, "/v1/trainer/resumed") | {"model_id": g}
         return BadRequest("unknown_model", "POST", "/v1/trainer/resumed", pack(envelope(body)),
                           dict(MSGPACK))
-    route = rng.choice([f"/v1/eval/{_seg(g)}", f"/v1/balance/{_seg(g)}", f"/v1/counters/{_seg(g)}",
+    route = rng.choice([f"/v1/eval/{_seg(g)}", f"/v1/eval/{_seg(g)}/0/completions",
+                        f"/v1/balance/{_seg(g)}", f"/v1/counters/{_seg(g)}",
                         f"/v1/version/{_seg(g)}", f"/v1/manifest/{_seg(g)}/latest",
                         f"/v1/manifest/{_seg(g)}/1", f"/v1/weights/{_seg(g)}/1/{ctx.file_name}"])
     return BadRequest("unknown_model", "GET", route)
@@ -991,6 +999,9 @@ ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/info"): ("auth", "bad_path"),
     ("GET", "/v1/stats"): ("auth", "bad_path"),
     ("GET", "/v1/eval/{model_id}"): ("unknown_model",),
+    ("GET", "/v1/eval/{model_id}/{version}/completions"): ("unknown_model", "negative_size"),
+    ("POST", "/v1/eval"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",
+                           "pickle_or_ext", "oversized"),
     ("GET", "/v1/balance/{model_id}"): ("unknown_model", "negative_size"),
     ("GET", "/v1/counters/{model_id}"): ("unknown_model", "negative_size"),
     ("POST", "/v1/register"): ("garbage", "malformed_msgpack", "wrong_type", "unknown_field",

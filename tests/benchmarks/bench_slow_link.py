@@ -183,7 +183,7 @@ def run_toy(work_dir: Path, versions: int = 4, batch_size: int = 16,
     if proc.returncode != 0:
         raise RuntimeError(f"toy run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())  # the full record
     scalars = tensorboard_scalars(run_dir)
     raas_log = (run_dir / "logs" / "raas-0.log").read_text(errors="replace")
     held = json.loads(report.read_text())["policy"] if report.exists() else {}

@@ -43,7 +43,7 @@ import pytest
 import yaml
 
 from astralight.dataflow.audit import audit
-from astralight.launch import load_recipe
+from astralight.recipe import load_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -100,7 +100,7 @@ def test_ds_replay_greso_recipe_runs_and_every_algorithm_acts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout[-3000:])
     print(f"run wall time {wall:.0f}s")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())  # the full record
     c = summary["counters"]
     print(json.dumps({k: c.get(k) for k in (
         "rollouts_generated", "prompts_submitted", "prompts_skipped", "prompts_forced",
@@ -155,8 +155,9 @@ def test_ds_replay_greso_recipe_runs_and_every_algorithm_acts(tmp_path):
     # over completed versions only, whose counts are final) counts exactly the filtered samples
     for name in ("groups_filtered", "samples_filtered", "replay_served", "prompts_skipped"):
         assert sum(v.get(name, 0) for v in per_version.values()) == final.get(name, 0), name
-    lines = (run_dir / "balance.txt").read_text().splitlines()
-    reports = [json.loads(line) for line in lines[1::2]]
+    lines = (run_dir / "balance.jsonl").read_text().splitlines()
+    # (the final window ends at the last version, still open when it was read: not final counts)
+    reports = [r for r in map(json.loads, lines) if not r["final"]]
     assert reports, lines
     for r in reports:
         first, last = r["versions"]

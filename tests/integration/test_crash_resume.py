@@ -430,7 +430,7 @@ def test_run_resume_completes_an_interrupted_run_folder(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "reusing prepared model" in proc.stdout
     assert (run_dir / "models" / "init" / "config.json").stat().st_mtime == init_mtime
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())  # the full record
     assert summary["versions"] == 6 and summary["eval_versions"][-1] == 6
     assert summary["resumes"] == 1
     assert summary["eval_versions"][0] == 0  # the whole run's evaluations, not just this launch's

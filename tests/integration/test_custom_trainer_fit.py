@@ -7,6 +7,9 @@ overrides pointing it at a real dataflow service process and the tiny model. A t
 RaaS (samples pushed through a ``DataflowClient``, as in test_trainer_dataflow.py). The
 REINFORCE module named only by YAML ``class_path`` steps, publishes versions the service serves
 back, and those weights differ from the initial ones; its baseline is in the checkpoint.
+``--trainer.gradient_clip_val`` reaches the policy's own clip (Lightning refuses it under manual
+optimization), and the TensorBoard folder has the policy entropy, no ``hp_metric`` and, from the
+service's held-out eval, the table of sample completions (``eval/completions``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
 
 def test_reinforce_example_trains_through_astralight_fit(dataflow_service, tiny_model_dir,
                                                          tmp_path):
-    service = dataflow_service(tmp_path, group_size=4, max_buffered_samples=32)
+    service = dataflow_service(tmp_path, group_size=4, max_buffered_samples=32, eval={
+        "source": {"class_path": "astralight.tasks.arithmetic.ArithmeticSource",
+                   "init_args": {"split": "eval", "eval_size": 3, "max_operand": 9}},
+        "every": STEPS, "k": 2})
     root = tmp_path / "checkout"
     root.mkdir()
     (root / "examples").symlink_to(REPO / "examples", target_is_directory=True)
@@ -58,9 +64,10 @@ def test_reinforce_example_trains_through_astralight_fit(dataflow_service, tiny_
              f"--model.init_args.model_path={tiny_model_dir}",
              f"--data.init_args.dataflow_url={service.url}",
              f"--data.init_args.batch_size={BATCH}", "--data.init_args.max_wait_s=120",
-             f"--trainer.max_steps={STEPS}",
-             # the last callback is the DataflowMonitor: no eval configured here, don't wait
-             "--trainer.callbacks.init_args.wait_final_eval_s=0"],
+             f"--trainer.max_steps={STEPS}", "--trainer.gradient_clip_val=0.5",
+             # the last callback is the DataflowMonitor: it waits for the eval of the last
+             # version (the fake RaaS answers eval tasks too), so its table is logged
+             "--trainer.callbacks.init_args.wait_final_eval_s=300"],
             cwd=root, env=env, capture_output=True, text=True, timeout=600)
     finally:
         stop.set()
@@ -97,6 +104,7 @@ def test_reinforce_example_trains_through_astralight_fit(dataflow_service, tiny_
     assert int(state["baseline_updates"]) == STEPS
     assert 0.0 < float(state["reward_ema"]) < 1.0  # rewards are 0/1, some of each
     assert ckpt["hyper_parameters"]["baseline_decay"] == 0.9
+    assert ckpt["hyper_parameters"]["grad_clip"] == 0.5  # --trainer.gradient_clip_val
     for name in common:
         assert np.array_equal(published[name], bf16_bits(state[f"model.{name}"])), name
 
@@ -105,9 +113,13 @@ def test_reinforce_example_trains_through_astralight_fit(dataflow_service, tiny_
 
     events = list((root / "runs" / "custom_trainer" / "tensorboard").rglob("events.out.tfevents*"))
     assert events
-    tags = set()
+    tags, texts = set(), set()
     for path in events:
         acc = EventAccumulator(str(path))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"train/reinforce_loss", "train/baseline", "train/grad_norm"} <= tags
+        texts |= set(acc.Tags()["tensors"])
+    assert {"train/reinforce_loss", "train/baseline", "train/grad_norm", "train/entropy",
+            "eval/avg_at_k"} <= tags
+    assert "hp_metric" not in tags
+    assert any(t.startswith("eval/completions") for t in texts), texts

@@ -28,7 +28,7 @@ def test_toy_recipe_improves_heldout_accuracy(tmp_path):
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout[-3000:])
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the full record
     for key in SUMMARY_KEYS:
         assert key in summary and summary[key] is not None, f"{key} missing from {summary}"
 

@@ -22,7 +22,7 @@ from astralight.proc import PDEATHSIG_SUPPORTED
 from tests.integration.recipes import shortened_toy_recipe
 from tests.proc_helpers import gone, kill_quietly, wait_for
 
-pytestmark = [pytest.mark.vllm,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,  # a real toy run, ~45 s: the slow suite
               pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="parent-death signal is Linux-only")]
 
 

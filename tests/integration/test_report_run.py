@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.recipes import shortened_toy_recipe
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a real toy run, ~45 s: the slow suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT = ("import sys; from astralight.report import main; sys.exit(main(sys.argv[1:]))")

@@ -93,9 +93,23 @@ class FakeDataflow(FakeStore):
         self.unknown_tasks = set()  # pushes of these answer 404 task_id (a fresh state)
         self.push_log = []  # every task id pushed, in order
         self.on_push = None  # called after every push, accepted or not (tests hook stops here)
+        self.register_metas = []  # the meta of every registration
+        #: the dataflow's ``workflow:`` setting; when set, a registration naming another workflow
+        #: is refused as the real service refuses it (409 ``workflow``)
+        self.workflow = None
 
     def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0,
                  limits=None):
+        self.register_metas.append(dict(meta or {}))
+        if self.workflow is not None:
+            from astralight.dataflow.client import DataflowError
+            from astralight.dataflow.errors import ServiceError
+            from astralight.dataflow.membership import check_workflow
+
+            try:
+                check_workflow(meta or {}, self.workflow)
+            except ServiceError as exc:
+                raise DataflowError(exc.status, str(exc), exc.field) from None  # as on the wire
         self.registrations += 1
         self.register_calls.append((instance_id, capacity_units))
         self.registered_limits = limits  # the engines' limits of the last registration

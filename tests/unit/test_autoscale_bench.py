@@ -11,7 +11,8 @@ import json
 import pytest
 import yaml
 
-from astralight.launch import build_components, load_recipe
+from astralight.launch import build_components
+from astralight.recipe import load_recipe
 from tests.benchmarks import bench_autoscale as bench
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from astralight.launch import load_recipe
+from astralight.recipe import load_recipe
 from tests.benchmarks import bench_data_algorithms as bench
 
 

@@ -5,6 +5,8 @@
 - a subclass that does not gets a clear error when it is built;
 - ``ReinforceWithBaseline``: the loss on hand-computed tensors with masks, its baseline sequence,
   the baseline's state-dict round trip, micro-batching equal to one pass;
+- ``LeaveOneOut`` (RLOO): the group baseline from the batch's ``group_ids`` on hand-computed
+  groups, micro-batching equal to one pass, training under ``Trainer.fit``;
 - the example's recipe resolves onto the toy recipe with the REINFORCE trainer.
 """
 
@@ -36,6 +38,17 @@ def reinforce_module():
     finally:
         sys.path.remove(str(EXAMPLE))
         sys.modules.pop("reinforce", None)
+
+
+@pytest.fixture(scope="module")
+def rloo_module():
+    """The RLOO example (a group baseline from ``group_ids``), imported like ``reinforce``."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        yield importlib.import_module("rloo")
+    finally:
+        sys.path.remove(str(EXAMPLE))
+        sys.modules.pop("rloo", None)
 
 
 class TokenMeanPG(RLPolicy):
@@ -195,11 +208,41 @@ def test_reinforce_trains_under_fit(tiny_model_dir, tmp_path, reinforce_module):
     assert {"train/reinforce_loss", "train/baseline"} <= set(trainer.callback_metrics)
 
 
+# ----------------------------------------------------------------------------- RLOO
+
+
+def test_leave_one_out_baseline_on_hand_computed_groups(rloo_module):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])  # a group of 3, of 2, and one left alone
+    fallback = torch.tensor([9.0, 9.0, 9.0, 9.0, 9.0, -0.25])
+    adv, alone = rloo_module.leave_one_out_advantages(rewards, groups, fallback)
+    # 1 - mean(0, 0); 0 - mean(1, 0); ...; 1 - 1; the lone sample keeps the dataflow's advantage
+    assert adv.tolist() == pytest.approx([1.0, -0.5, -0.5, 0.0, 0.0, -0.25])
+    assert alone.tolist() == [False] * 5 + [True]
+
+
+def test_rloo_uses_the_batch_groups_and_trains_under_fit(tiny_model_dir, tmp_path, rloo_module):
+    batch = collate_batch(FakeDataflowClient(tiny_model_dir, seed=2, group_size=2).make_batch(4))
+    grads = []
+    for mbs in (None, 1):  # the baseline is fixed per optimizer batch: micro-batching agrees
+        policy = rloo_module.LeaveOneOut(str(tiny_model_dir), micro_batch_size=mbs)
+        policy.configure_model()
+        out = policy.accumulate_gradients(policy.prepare_batch(batch))
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters()})
+        assert float(out["rloo_alone_fraction"]) == 0.0  # two whole groups of two
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6)
+
+    policy = rloo_module.LeaveOneOut(str(tiny_model_dir), lr=1e-3)
+    trainer, fake = fit(policy, tiny_model_dir, tmp_path, steps=2)
+    assert len(fake.acks) == 2 and "train/rloo_loss" in trainer.callback_metrics
+
+
 # ----------------------------------------------------------------------------- the recipe
 
 
 def test_example_recipe_is_the_toy_recipe_with_the_reinforce_trainer():
-    from astralight.launch import load_recipe
+    from astralight.recipe import load_recipe
 
     recipe = load_recipe(EXAMPLE / "recipe.yaml")
     toy = load_recipe(REPO / "examples" / "toy" / "recipe.yaml")
@@ -207,7 +250,7 @@ def test_example_recipe_is_the_toy_recipe_with_the_reinforce_trainer():
     (trainer,) = recipe["trainers"]
     assert trainer["model"]["class_path"] == "reinforce.ReinforceWithBaseline"
     assert trainer["trainer"]["max_steps"] == recipe["stop"]["versions"]
-    # the trainer process finds the module on PYTHONPATH (relative to the repository root)
-    path = recipe["env"]["trainer"]["PYTHONPATH"]
-    assert (REPO / path / "reinforce.py").is_file()
-    assert recipe["env"]["trainer"]["OMP_NUM_THREADS"] == toy["env"]["trainer"]["OMP_NUM_THREADS"]
+    # every process finds the module: the recipe's pythonpath (relative to the recipe's folder)
+    (folder,) = recipe["pythonpath"]
+    assert (Path(folder) / "reinforce.py").is_file()
+    assert recipe["env"] == toy["env"]

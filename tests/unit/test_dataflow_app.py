@@ -56,3 +56,23 @@ def test_client_gives_up_on_an_unreachable_service_after_retry_s():
         client.info()
     assert info.value.status is None and "unreachable" in str(info.value)
     client.close()
+
+
+def test_register_refuses_a_raas_of_another_workflow_with_409(tmp_path):
+    """The RaaS sends its workflow's name; the route compares it with the dataflow's
+    ``workflow:`` before anything is stored."""
+    from astralight.protocol import decode, encode
+
+    app = create_app(DataflowConfig(state_dir=str(tmp_path / "state"), workflow="single_turn"),
+                     token="")
+    headers = {"Content-Type": "application/msgpack"}
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
+        body = {"model_ids": ["policy"], "capacity": 2, "instance_id": "raas-x",
+                "meta": {"workflow": "multi_turn"}}
+        r = client.post("/v1/register", content=encode(body), headers=headers)
+        assert r.status_code == 409 and r.json()["field"] == "workflow"
+        assert "'multi_turn'" in r.json()["error"] and "'single_turn'" in r.json()["error"]
+        assert client.get("/v1/stats").json()["instances"] == []  # nothing was registered
+        body["meta"] = {"workflow": "single_turn"}
+        r = client.post("/v1/register", content=encode(body), headers=headers)
+        assert r.status_code == 200 and decode(r.content)["instance_id"] == "raas-x"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from astralight.launch import RecipeError, _default_recipe, _substitute, load_recipe
+from astralight.launch import _default_recipe
+from astralight.recipe import RecipeError, load_recipe, substitute
+from astralight.run_stop import resolve_versions
 
 
 def write(tmp_path, recipe):
@@ -34,11 +36,15 @@ def test_missing_section_is_named(tmp_path, key):
         load_recipe(write(tmp_path, recipe))
 
 
-def test_final_version_must_be_evaluated(tmp_path):
+def test_versions_need_not_be_a_multiple_of_eval_every(tmp_path):
+    # the stop sequence evaluates the last version whatever eval.every says (run_stop), so a
+    # run may end between two scheduled evals; only a disagreement with max_steps is refused
     recipe = toy()
     recipe["stop"]["versions"] = recipe["dataflow"]["eval"]["every"] * 3 + 1
-    with pytest.raises(RecipeError, match="multiple of dataflow.eval.every"):
-        load_recipe(write(tmp_path, recipe))
+    del recipe["trainers"][0]["trainer"]["max_steps"]
+    loaded = resolve_versions(load_recipe(write(tmp_path, recipe)))
+    every = recipe["trainers"][0]["trainer"]["callbacks"][0]["init_args"]["every_n_steps"]
+    assert loaded["trainers"][0]["trainer"]["max_steps"] == recipe["stop"]["versions"] * every
 
 
 def test_versions_must_be_positive(tmp_path):
@@ -49,7 +55,7 @@ def test_versions_must_be_positive(tmp_path):
 
 
 def test_placeholders_substituted_everywhere():
-    out = _substitute({"a": ["{run_dir}/x", {"b": "{init_model}"}], "n": 3},
+    out = substitute({"a": ["{run_dir}/x", {"b": "{init_model}"}], "n": 3},
                       {"run_dir": "/r", "init_model": "/m"})
     assert out == {"a": ["/r/x", {"b": "/m"}], "n": 3}
 
@@ -89,7 +95,7 @@ def test_exported_trainer_config_parses_with_lightning_cli(tmp_path):
 
 
 def test_deep_merge_merges_mappings_and_replaces_everything_else():
-    from astralight.launch import deep_merge
+    from astralight.recipe import deep_merge
 
     parent = {"a": {"x": 1, "y": {"p": 1, "q": 2}}, "l": [1, 2, 3], "s": "old", "keep": True}
     child = {"a": {"y": {"q": 20, "r": 30}, "z": 3}, "l": [9], "s": {"now": "a mapping"}}
@@ -127,8 +133,10 @@ def test_extends_checks_run_on_the_merged_recipe(tmp_path):
     (tmp_path / "ok.yaml").write_text(yaml.safe_dump({"extends": "toy.yaml"}))
     assert load_recipe(tmp_path / "ok.yaml")["stop"]["versions"] == toy()["stop"]["versions"]
     # a child that breaks a rule against its parent's values is caught
-    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"extends": "toy.yaml", "stop": {"versions": 7}}))
-    with pytest.raises(RecipeError, match="multiple of dataflow.eval.every"):
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(
+        {"extends": "toy.yaml", "autoscale": {"min_instances": 2, "max_instances": 3,
+                                              "initial": 5}}))
+    with pytest.raises(RecipeError, match="recipe.autoscale.initial"):
         load_recipe(tmp_path / "bad.yaml")
 
 
@@ -173,7 +181,7 @@ def test_export_configs_of_an_extending_recipe(tmp_path):
 
 
 def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
-    from astralight.launch import build_summary
+    from astralight.run_summary import build_summary
 
     pol = {"current_version": 4, "samples_acked": 64, "samples_trained": 96,
            "rollouts_generated": 160, "groups_filtered": 3}
@@ -182,7 +190,7 @@ def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
     evals = {0: {"complete": True, "avg_at_k": 0.25, "pass_at_k": 0.5},
              2: {"complete": True, "avg_at_k": 0.5}, 4: {"complete": True, "avg_at_k": 0.75}}
     per_version = {"0": {"rollouts_generated": 64}, "1": {"rollouts_generated": 96}}
-    out = build_summary(stats, evals, per_version, "policy", target=4)
+    out = build_summary(stats, evals, per_version, "policy", final_version=4)
     assert out["samples_trained"] == 96  # fresh + replayed, not samples_acked
     assert out["rollouts_generated"] == 160
     assert out["counters"] == pol
@@ -194,7 +202,7 @@ def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
 
 def test_summary_keeps_pass_at_k_and_benchmark_tables():
     """summary.json carries what a report without the dataflow DB needs for its eval tables."""
-    from astralight.launch import build_summary
+    from astralight.run_summary import build_summary
 
     row = {"complete": True, "avg_at_k": 0.5, "pass_at_k": 0.75, "k": 4, "n": 8,
            "pass_at": {"1": 0.5, "4": 0.75}, "benchmark_average": 0.5,
@@ -205,7 +213,7 @@ def test_summary_keeps_pass_at_k_and_benchmark_tables():
 
 
 def test_summary_when_the_final_eval_or_counters_are_missing():
-    from astralight.launch import build_summary
+    from astralight.run_summary import build_summary
 
     out = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.25}}, None, "policy", 4)
     assert out["eval_accuracy_end"] is None and out["per_version"] is None
@@ -258,7 +266,7 @@ def test_per_version_counters_reads_the_route():
 def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
     import sqlite3
 
-    from astralight.launch import trainer_wait_fraction, wall_s_to_accuracy
+    from astralight.run_summary import trainer_wait_fraction, wall_s_to_accuracy
 
     assert trainer_wait_fraction({"trainer_wait_ms": 30, "trainer_step_ms": 120}) == 0.25
     assert trainer_wait_fraction({}) is None
@@ -278,13 +286,13 @@ def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
 
 
 def test_summary_has_the_tool_call_rate_of_a_tool_workflow_only():
-    from astralight.launch import _final_eval, build_summary
+    from astralight.run_summary import build_summary, final_eval
 
     evals = {0: {"complete": True, "avg_at_k": 0.17, "tool_call_rate": 0.3},
              60: {"complete": True, "avg_at_k": 0.58, "tool_call_rate": 0.97}}
     out = build_summary({"models": {}}, evals, None, "policy", 60)
     assert (out["tool_call_rate_start"], out["tool_call_rate_end"]) == (0.3, 0.97)
     assert out["eval"][60]["tool_call_rate"] == 0.97
-    assert _final_eval(evals)["tool_call_rate_end"] == 0.97
+    assert final_eval(evals)["tool_call_rate_end"] == 0.97
     plain = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.2}}, None, "policy", 0)
     assert "tool_call_rate_start" not in plain

@@ -12,13 +12,12 @@ import pytest
 
 from astralight.launch import (
     Component,
-    RecipeError,
     last_checkpoint,
     running_components,
-    supervise_settings_checked,
     write_atomic,
     write_pids,
 )
+from astralight.recipe import RecipeError, supervise_settings_checked
 from astralight.supervise import (
     SUPERVISE_DEFAULTS,
     GiveUp,
@@ -274,3 +273,20 @@ def test_a_usage_or_config_error_is_never_restarted(name):
     comps[name].crash(1)
     sup.poll(0.0)
     assert comps[name].starts == 1
+
+
+def test_a_retired_component_is_never_restarted():
+    """The stop sequence retires the trainers it stops early: whatever they exit with (a hard
+    stop after their grace is -2 or -9), they are not restarted; a pending restart is dropped."""
+    sup, comps, _, events = make(backoff_s=0)
+    sup.retire("trainer-policy")
+    comps["trainer-policy"].crash(-9)
+    sup.poll(0.0)
+    assert comps["trainer-policy"].starts == 0 and not events and sup.finished_trainers()
+    sup, comps, _, _ = make(backoff_s=5)
+    comps["raas-0"].crash(1)
+    sup.poll(0.0)
+    assert sup.down() == {"raas-0"}
+    sup.retire("raas-0")
+    sup.poll(10.0)
+    assert sup.down() == set() and comps["raas-0"].starts == 0

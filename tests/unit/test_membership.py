@@ -303,3 +303,15 @@ def test_heartbeat_stats_reach_the_instance_table_and_the_balance_report(tmp_pat
     assert flow.balance("policy", now=t0 + 2)["weight_pause_s"] == 0.75
     flow.heartbeat(a, now=t0 + 3)  # no stats: the last report stands
     assert table(flow, t0 + 3)[a]["reported"]["weight_pause_s"] == 0.25
+
+
+def test_a_registration_naming_another_workflow_is_refused_with_both_names_and_the_key():
+    mb.check_workflow({"workflow": "single_turn"}, "single_turn")  # the same: fine
+    mb.check_workflow({}, "single_turn")  # an older RaaS or a client of one's own: not checked
+    mb.check_workflow({"workflow": ""}, "single_turn")  # a workflow that runs any task
+    with pytest.raises(ServiceError) as info:
+        mb.check_workflow({"workflow": "my_task"}, "single_turn")
+    err = info.value
+    assert err.status == 409 and err.field == "workflow"
+    assert "'my_task'" in err.message and "'single_turn'" in err.message
+    assert "`workflow: my_task`" in err.message  # the fix, spelled as the setting

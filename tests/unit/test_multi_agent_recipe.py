@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from astralight.dataflow.config import DataflowConfig, build_plugins
-from astralight.launch import component_configs, load_recipe
+from astralight.launch import component_configs
 from astralight.raas.config import build_parser
+from astralight.recipe import load_recipe
 from astralight.workflows.latency import LongTailLatency
 from astralight.workflows.solver_verifier import SolverVerifier
 from tests.benchmarks.bench_async_vs_sync import mode_recipe, seconds_per_version
@@ -33,7 +34,8 @@ def test_multi_agent_recipe_has_two_policies_and_their_trainers():
     assert df.model_ids == ["solver", "verifier"] and df.workflow == "solver_verifier"
     assert sorted(recipe["raas"][0]["engines"]) == ["solver", "verifier"]
     assert [t["model"]["init_args"]["model_id"] for t in recipe["trainers"]] == ["solver", "verifier"]
-    assert [t["data"]["init_args"]["model_id"] for t in recipe["trainers"]] == ["solver", "verifier"]
+    # each datamodule pulls its own policy: its model_id is linked to the module's (stated once)
+    assert all("model_id" not in t["data"]["init_args"] for t in recipe["trainers"])
     wf = _raas_workflow(recipe["raas"][0])
     assert isinstance(wf, SolverVerifier) and wf.roles == {"solver": "solver", "verifier": "verifier"}
 

@@ -170,7 +170,7 @@ def test_summary_json_alone_draws_eval_and_wait_and_skips_the_rest(tmp_path, cap
     assert ("  pool.png: no RaaS instance in the dataflow DB's instance table and no "
             "autoscaler") in text
     assert "dataflow DB" in text and "is missing" in text  # the note says why
-    assert "balance.txt is missing" in text
+    assert "balance.jsonl is missing" in text
     assert "recipe: run (the run folder's name; summary.json names no recipe)" in text
     assert not (run_dir / "report").exists()  # --out honoured
 

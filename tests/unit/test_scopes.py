@@ -37,6 +37,8 @@ EXPECTED = {
     ("GET", "/v1/info"): {R, T, A},
     ("GET", "/v1/stats"): {T, A},
     ("GET", "/v1/eval/{model_id}"): {T, A},
+    ("GET", "/v1/eval/{model_id}/{version}/completions"): {T, A},
+    ("POST", "/v1/eval"): {T, A},
     ("GET", "/v1/balance/{model_id}"): {T, A},
     ("GET", "/v1/counters/{model_id}"): {T, A},
     ("POST", "/v1/register"): {R, A},
@@ -153,6 +155,7 @@ def _request(route: tuple[str, str], ctx: dict) -> dict:
         "/v1/ack": {"batch_id": ctx["batch_policy"]},
         "/v1/trainer/resumed": {"model_id": "policy", "step": 0},
         "/v1/batches/extend": {"batch_id": ctx["batch_policy"]},
+        "/v1/eval": {"model_id": "policy", "version": 1},
         "/v1/publish": ctx["manifest"],
     }
     filled = (path.replace("{model_id}", "policy").replace("{instance_id}", "raas-a")
@@ -206,6 +209,8 @@ def test_a_trainer_token_bound_to_a_model_id_acts_on_it_only(flow):
         ("POST", "/v1/publish", WeightManifest(model_id="policy", version=2, kind="full",
                                                files={}), "model_id"),
         ("GET", "/v1/eval/policy", None, "model_id"),
+        ("GET", "/v1/eval/policy/0/completions", None, "model_id"),
+        ("POST", "/v1/eval", {"model_id": "policy", "version": 1}, "model_id"),
         ("GET", "/v1/balance/policy", None, "model_id"),
         ("GET", "/v1/counters/policy", None, "model_id"),
     ]
@@ -486,7 +491,8 @@ def test_a_bound_trainer_token_can_be_printed_for_a_trainer_started_by_hand(monk
 
 
 def test_the_launcher_hands_each_component_its_token(tmp_path, monkeypatch):
-    from astralight.launch import Component, RecipeError, build_components
+    from astralight.launch import Component, build_components
+    from astralight.recipe import RecipeError
 
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)

@@ -333,14 +333,14 @@ def test_the_cpu_recipe_builds_and_matches_its_warm_start(tmp_path):
     (with the search tool over the corpus the prepare step writes) build; the warm start
     scripts the tool settings and system prompt the workflow uses."""
     from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
-    from astralight.launch import _substitute, load_recipe
+    from astralight.recipe import load_recipe, substitute
     from astralight.raas.config import build_parser
     from astralight.tasks.base import PromptSource
     from astralight.tasks.search_warmstart import SEARCH_SYSTEM_PROMPT
     from astralight.workflows.tool_agent import ToolAgentWorkflow
 
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "examples/search_agent/recipe.yaml")
-    recipe = _substitute(recipe, {"run_dir": tmp_path})
+    recipe = substitute(recipe, {"run_dir": tmp_path})
     prep = recipe["prepare"]
     assert prep["function"] == "astralight.tasks.search_warmstart.build_search_policy"
     write_synthetic_qa(prep["kwargs"]["data_dir"], seed=0, n_people=20)  # a small stand-in

@@ -1,0 +1,542 @@
+"""``astralight run --check RECIPE``: check a whole run before anything starts, in seconds.
+
+Why: a mistake in a component config used to surface only after the warm start, the dataflow and
+vLLM had started (a trainer typo such as ``max_step:`` was found by the trainer, minutes in).
+:func:`check_recipe` parses every component config with the component's own parser, the way the
+component will, without starting or building anything heavy:
+
+- the recipe itself: keys and types (:func:`astralight.recipe.load_recipe`), ``stop.versions``
+  against the trainers' ``max_steps`` (:func:`astralight.run_stop.resolve_versions`), its
+  ``pythonpath`` folders, the ``prepare`` function (importable; its ``kwargs`` are arguments it
+  takes);
+- the dataflow: :func:`astralight.dataflow.config.parse_config` (every field), its data plugins
+  built (:func:`~astralight.dataflow.config.build_plugins`), its prompt sources checked against
+  their class signatures (not instantiated: they would read their data);
+- each RaaS: :func:`astralight.raas.config.build_parser` and
+  :func:`~astralight.raas.config.validate` (engine arguments against the engine class, the
+  workflow and its reward against their signatures; no engine is built and the workflow is not
+  instantiated: it may read files the run writes first);
+- each trainer: ``astralight fit --config F --print_config`` in this process (LightningCLI parses
+  the trainer, callbacks, model and datamodule; nothing is instantiated);
+- the token hand-off and CPU pinning of every component
+  (as :func:`astralight.launch.build_components`);
+- every local model or data path the configs name (``model_path``, ``tokenizer_path``, ``path``,
+  ``files``, ``data_path``, ``data_dir``, ``corpus`` ... and the same keys of ``prepare.kwargs``).
+
+Placeholders get plausible values: ``{run_dir}`` the run folder (a temporary one when not known
+yet), ``{dataflow_url}`` ``http://127.0.0.1:PORT``, ``{seed}`` the recipe's. ``{init_model}`` is
+what ``prepare`` builds: when it is not built yet it is a stand-in folder (so the parsers that
+require an existing model folder accept it) and not an error; paths under the run folder are
+written by the run (``prepare``) and not required either. A name such as ``Qwen/Qwen3-8B`` that
+is no local folder is taken for a Hugging Face hub id and noted.
+
+Every component config a component reads is checked here, each component kind with the
+``PYTHONPATH`` it will have (the recipe's ``pythonpath`` and ``env.<kind>.PYTHONPATH``). A problem
+raises :class:`~astralight.recipe.RecipeError` naming the recipe key (``recipe.trainers[0].
+trainer.max_step``) and the fix; ``astralight run`` runs the same check before it starts anything
+(``--no-check`` skips the component part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from astralight.recipe import RecipeError, load_recipe, recipe_pythonpath, substitute, use_pythonpath
+
+#: config keys whose values are local inputs (a model folder, a data file or folder) that must
+#: exist before the run starts; outputs (``state_dir``, ``dirpath``, ``default_root_dir``,
+#: ``save_dir``...) are not checked
+MODEL_PATH_KEYS = ("model_path", "tokenizer_path", "base_model_path")
+DATA_PATH_KEYS = ("path", "paths", "files", "data_path", "data_dir", "data_files", "corpus")
+
+
+@dataclass
+class CheckResult:
+    """What a check looked at: component names, local paths found, notes (hub ids, models
+    ``prepare`` will build), and how long it took."""
+
+    recipe: str
+    components: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """The one-line OK."""
+        return (f"OK: {self.recipe}: {len(self.components)} component configs "
+                f"({', '.join(self.components)}) and {len(self.paths)} local paths checked in "
+                f"{self.seconds:.1f}s")
+
+
+@contextlib.contextmanager
+def _sys_path(entries: list[str]) -> Iterator[None]:
+    """``entries`` in front of ``sys.path`` for a while: the ``PYTHONPATH`` a component will have
+    (relative entries resolve against the current folder, as in the child process)."""
+    added = [str(Path(e).resolve()) for e in entries if e]
+    saved = list(sys.path)
+    sys.path[:0] = [a for a in added if a not in sys.path]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+@contextlib.contextmanager
+def _captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        yield out, err
+
+
+def _error_line(text: str) -> str:
+    """The ``error: ...`` line of an argparse / jsonargparse / LightningCLI failure (else its
+    last line), without the usage lines around it."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("error:"):
+            return " ".join([line[len("error:"):].strip()] + lines[i + 1:])
+    return lines[-1] if lines else "(no message)"
+
+
+def _kind_pythonpath(recipe: dict, kind: str) -> list[str]:
+    """The folders a component of ``kind`` has on its ``PYTHONPATH`` besides the launcher's."""
+    env = (recipe.get("env") or {}).get(kind) or {}
+    own = str(env.get("PYTHONPATH") or "")
+    return recipe_pythonpath(recipe) + [p for p in own.split(os.pathsep) if p]
+
+
+# ------------------------------------------------------------------------------------ paths
+
+
+def _walk_paths(node: Any, where: str, keys: tuple[str, ...], inside: str | None = None
+                ) -> Iterator[tuple[str, str, str]]:
+    """``(where, key kind, value)`` of every string under one of ``keys`` in ``node``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            sub = f"{where}.{key}"
+            kind = inside or (str(key) if str(key) in keys else None)
+            yield from _walk_paths(value, sub, keys, kind)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk_paths(value, f"{where}[{i}]", keys, inside)
+    elif isinstance(node, str) and inside is not None and node:
+        yield where, inside, node
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _is_under(path: str, folder: Path | None) -> bool:
+    if folder is None:
+        return False
+    try:
+        Path(os.path.expanduser(path)).resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _check_paths(node: Any, where: str, run_dir: Path, stand_in: Path | None,
+                 result: CheckResult) -> None:
+    """Every local input path under ``node`` exists, or is written by the run itself (under the
+    run folder, or the init model ``prepare`` builds); raises RecipeError naming the key."""
+    for key_path, kind, value in _walk_paths(node, where, MODEL_PATH_KEYS + DATA_PATH_KEYS):
+        if "{" in value:  # a placeholder of a component's own (not the launcher's)
+            continue
+        if _is_under(value, stand_in):
+            continue  # noted once, in check_recipe
+        if _is_under(value, run_dir):
+            result.notes.append(f"{key_path}: {value} is written by the run (under the run "
+                                "folder), not checked")
+            continue
+        local = Path(os.path.expanduser(value))
+        if local.exists():
+            result.paths.append(value)
+            continue
+        model_key = kind in MODEL_PATH_KEYS
+        if model_key and not value.startswith(("/", "./", "../", "~")) and _HUB_ID.match(value):
+            result.notes.append(f"{key_path}: {value!r} is no local folder; taken for a Hugging "
+                                "Face hub id")
+            continue
+        what = "model folder" if model_key else "data file or folder"
+        raise RecipeError(
+            f"{key_path}: {value!r} does not exist (a {what}; relative paths are relative to the "
+            f"folder you run from, {Path.cwd()}); fix the path, or create it first"
+            + ("" if model_key else "; a file the run's prepare step writes belongs under "
+               "{run_dir}"))
+
+
+# ------------------------------------------------------------------------------------ prepare
+
+
+def _check_prepare(recipe: dict) -> Any:
+    """The ``prepare`` function imported and its ``kwargs`` bound to its signature; returns the
+    function (None without a prepare step)."""
+    prep = recipe.get("prepare")
+    if not prep:
+        return None
+    target = prep.get("function")
+    if not isinstance(target, str) or "." not in target:
+        raise RecipeError("recipe.prepare.function: must be an import path like pkg.module.func")
+    module_name, func_name = target.rsplit(".", 1)
+    import importlib
+
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise RecipeError(f"recipe.prepare.function: cannot import {target!r} ({exc}); check the "
+                          "module path, and that its folder is in the recipe's `pythonpath`") from None
+    kwargs = prep.get("kwargs") or {}
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return func
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n in params if n != "out_dir"]
+        for key in kwargs:
+            if key not in params or key == "out_dir":
+                close = difflib.get_close_matches(str(key), accepted, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise RecipeError(f"recipe.prepare.kwargs.{key}: {target} has no argument "
+                                  f"{key!r} (out_dir is given by the launcher); {hint}it takes "
+                                  f"{', '.join(accepted)}")
+    for name, p in params.items():
+        if (name != "out_dir" and p.default is inspect.Parameter.empty and name not in kwargs
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
+            raise RecipeError(f"recipe.prepare.kwargs.{name}: missing; {target} requires it")
+    return func
+
+
+# ------------------------------------------------------------------------------------ messages
+
+#: the parts of a jsonargparse / LightningCLI error message that locate and explain it
+_TOKENS = re.compile(
+    r'Parser key "(?P<key>[^"]+)"'
+    r"|Problem with given class_path '(?P<cls>[^']+)'"
+    r"|Group '(?P<group>[^']+)' does not accept option '(?P<gopt>[^']+)'"
+    r"|Option '(?P<opt>[^']+)' is not accepted"
+    r"|has no attribute '(?P<attr>[^']+)'"
+    r"|No module named '(?P<module>[^']+)'"
+    r"|Expected a <class '(?P<expected>[^']+)'>\.? ?(?:Got value: (?P<got>.+?))?(?= - |$)"
+    r"|Not of type (?P<nottype>\w+): (?P<why>.+?)(?= - |$)")
+
+
+def _class_arguments(class_path: str) -> list[str]:
+    """The constructor arguments of an (already importable) class, for "did you mean"."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "args",
+                                                                                   "kwargs")]
+    except Exception:
+        return []
+
+
+def _locate(config: Any, parts: list[str]) -> Any:
+    node = config
+    for part in parts:
+        for key in part.split("."):
+            if key.endswith("]") and "[" in key:
+                key, index = key[:-1].split("[")
+                node = node.get(key) if isinstance(node, dict) else None
+                node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
+            else:
+                node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def explain(message: str, where: str, config: dict | None = None,
+            options: list[str] | None = None) -> str:
+    """A jsonargparse (or LightningCLI) error ``message`` as ``KEY: reason``, the key a recipe
+    key (``where`` + the path inside the component's config: ``recipe.trainers[0].model.
+    init_args.lrr``), with the closest valid name where one is known (``options``: the parser's
+    own keys; a class's constructor arguments for its ``init_args``). ``config`` (the component's
+    config) turns a list position into an index (``trainer.callbacks[0]``)."""
+    message = " ".join(message.split())
+    named = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", message)
+    if named and named.group(1) != "Parser":  # a message of astralight's own: it names the key
+        return f"{where}.{named.group(1)}: {named.group(2)}"
+    parts: list[str] = []
+    cls = None
+    reason = None
+    candidates: list[str] = []
+    for m in _TOKENS.finditer(message):
+        if m["key"]:
+            if cls is not None:  # a key inside a class's arguments
+                parts.append("init_args")
+                cls = None
+            parts.append(m["key"])
+        elif m["cls"]:
+            cls = m["cls"]
+            node = _locate(config, parts) if config is not None and parts else None
+            if isinstance(node, list) and parts:
+                index = next((i for i, e in enumerate(node)
+                              if isinstance(e, dict) and e.get("class_path") == cls), None)
+                if index is not None:
+                    parts[-1] += f"[{index}]"
+        elif m["gopt"]:
+            parts += [m["group"], m["gopt"]]
+            prefix = ".".join(parts[:-1]) + "."
+            candidates = [o[len(prefix):] for o in options or [] if o.startswith(prefix)]
+            if m["group"] == "trainer" and not candidates:
+                candidates = trainer_arguments() or []
+            reason = f"unknown key (no option {m['gopt']!r} in {m['group']!r})"
+            break
+        elif m["opt"]:
+            if cls is not None:
+                parts += ["init_args", m["opt"]]
+                candidates = _class_arguments(cls)
+                reason = f"unknown key ({cls} has no argument {m['opt']!r})"
+            else:
+                parts.append(m["opt"])
+                prefix = ".".join(parts[:-1])
+                candidates = [o[len(prefix) + 1:] if prefix else o for o in options or []
+                              if not prefix or o.startswith(prefix + ".")]
+                reason = "unknown key"
+            break
+        elif m["attr"] or m["module"]:
+            parts.append("class_path")
+            reason = f"cannot import {cls or m['attr'] or m['module']!r}; check the module path, " \
+                     "and that its folder is in the recipe's `pythonpath`"
+            break
+        elif m["expected"]:
+            if m["expected"] == "NoneType":
+                continue
+            reason = f"expected {m['expected']}" + (f", got {m['got']}" if m["got"] else "")
+            break
+        elif m["nottype"]:
+            reason = f"not {m['nottype']}: {m['why']}"
+            break
+    if reason is None:
+        short = message if len(message) <= 300 else message[:300] + " ..."
+        return f"{where}{'.' + '.'.join(parts) if parts else ''}: {short}"
+    last = parts[-1].split(".")[-1] if parts else ""
+    close = difflib.get_close_matches(last, [c.split(".")[-1] for c in candidates], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close and close[0] != last else ""
+    return f"{where}.{'.'.join(parts)}: {reason}{hint}"
+
+
+# ------------------------------------------------------------------------------------ components
+
+
+def _check_dataflow(path: Path) -> None:
+    from jsonargparse import ArgumentParser
+
+    from astralight.dataflow.config import build_parser, build_plugins, parse_config
+    from astralight.tasks.base import PromptSource
+
+    try:
+        with _captured() as (_, err):
+            config = parse_config(["--config", str(path)])
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return
+        options = list(build_parser().get_defaults().keys())
+        raise RecipeError(explain(_error_line(err.getvalue()), "recipe.dataflow",
+                                  yaml.safe_load(path.read_text()), options)) from None
+    try:
+        build_plugins(config)
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"recipe.dataflow.{exc}") from None
+    for where, spec in (("source", config.source), ("eval.source", config.eval.source)):
+        if spec is None:
+            continue
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_argument("--source", type=PromptSource)
+        try:
+            parser.parse_object({"source": spec})
+        except Exception as exc:
+            message = re.sub(r'^Parser key "source":', "", str(exc).strip())
+            raise RecipeError(explain(message, f"recipe.dataflow.{where}")) from None
+
+
+def _check_raas(index: int, path: Path, url: str) -> None:
+    from astralight.raas.config import RaaSConfig, build_parser, validate
+
+    where = f"recipe.raas[{index}]"
+    parser = build_parser()
+    try:
+        with _captured() as (_, err):
+            ns = parser.parse_args(["--config", str(path), "--dataflow", url])
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return
+        raise RecipeError(explain(_error_line(err.getvalue()), where,
+                                  yaml.safe_load(path.read_text()),
+                                  list(parser.get_defaults().keys()))) from None
+    values = {k: v for k, v in vars(ns).items() if k not in ("config", "__path__")}
+    config = RaaSConfig(**{k: values[k] for k in RaaSConfig.__dataclass_fields__ if k in values})
+    if not config.model_ids:
+        config.model_ids = list(config.engines)
+    try:
+        validate(config)
+    except ValueError as exc:
+        raise RecipeError(f"{where}.{exc}") from None
+
+
+def trainer_arguments() -> list[str] | None:
+    """The arguments of Lightning's ``Trainer``, read from its source without importing
+    Lightning (the import costs seconds of CPU: torch, torchmetrics, transformers), or None when
+    the source cannot be read. Lets a typo in a ``trainer:`` section fail at once; the
+    LightningCLI parse after it remains the authority."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("lightning")
+        source = Path(list(spec.submodule_search_locations)[0]) / "pytorch" / "trainer" / "trainer.py"
+        tree = ast.parse(source.read_text())
+    except (ImportError, AttributeError, IndexError, TypeError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    if item.args.kwarg is not None:
+                        return None  # takes anything: nothing to check here
+                    args = item.args.posonlyargs + item.args.args + item.args.kwonlyargs
+                    return [a.arg for a in args if a.arg != "self"]
+    return None
+
+
+def _precheck_trainer_keys(recipe: dict) -> None:
+    """Each trainer's ``trainer:`` keys against :func:`trainer_arguments` (no import)."""
+    names = None
+    for i, cfg in enumerate(recipe.get("trainers") or []):
+        section = cfg.get("trainer") if isinstance(cfg, dict) else None
+        if not isinstance(section, dict):
+            continue
+        names = trainer_arguments() if names is None else names
+        if names is None:
+            return
+        for key in section:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise RecipeError(f"recipe.trainers[{i}].trainer.{key}: unknown key (Lightning's "
+                                  f"Trainer has no argument {key!r}){hint}; see "
+                                  "`astralight fit --help`")
+
+
+def _check_trainer(index: int, name: str, path: Path) -> None:
+    from astralight.trainer_cli import main as fit_main
+
+    where = f"recipe.trainers[{index}]"
+    try:
+        with _captured() as (_, err):
+            fit_main(["--config", str(path), "--print_config"])
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return
+        message = explain(_error_line(err.getvalue()), where, yaml.safe_load(path.read_text()))
+        raise RecipeError(f"{message} ({name}; see `astralight fit --help`)") from None
+
+
+def _stand_in_models(configs: dict[str, dict], stand_in: Path) -> None:
+    """Create the folders under the stand-in init model that configs name as models, so the
+    parsers that require an existing model folder accept them."""
+    for cfg in configs.values():
+        for _, _, value in _walk_paths(cfg, "", MODEL_PATH_KEYS):
+            if _is_under(value, stand_in):
+                Path(value).mkdir(parents=True, exist_ok=True)
+
+
+# ------------------------------------------------------------------------------------ the check
+
+
+def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | None = None,
+                 components: bool = True) -> CheckResult:
+    """Check ``recipe_path`` (or the already loaded ``recipe`` read from it) as described in the
+    module docstring; raise RecipeError naming the key, or return what was checked.
+
+    ``run_dir``: the run folder the run will use, when known (``--run-dir``, ``--resume``): its
+    prepared init model is then used if it is built. ``components=False`` checks the recipe,
+    the ``prepare`` step and the paths only (no component parser is imported).
+    """
+    from astralight.launch import _free_port, build_components, component_configs
+    from astralight.run_stop import StopError, resolve_versions
+
+    t0 = time.monotonic()
+    recipe_path = Path(recipe_path)
+    recipe = load_recipe(recipe_path) if recipe is None else recipe
+    result = CheckResult(recipe=str(recipe_path))
+    try:  # stop.versions and the trainers' max_steps in step, as the launcher derives them
+        recipe = resolve_versions(recipe)
+    except StopError as exc:
+        raise RecipeError(str(exc)) from None
+    for i, folder in enumerate(recipe_pythonpath(recipe)):
+        if not Path(folder).is_dir():
+            raise RecipeError(f"recipe.pythonpath[{i}]: {folder} is not a folder (entries are "
+                              "relative to the recipe's folder)")
+    use_pythonpath(recipe)
+    if components:
+        _precheck_trainer_keys(recipe)  # before any slow import: a typo there fails at once
+    func = _check_prepare(recipe)  # with the launcher's own sys.path (the recipe's pythonpath)
+    with tempfile.TemporaryDirectory(prefix="astralight-check-") as tmp:
+        tmp_dir = Path(tmp)
+        run_folder = Path(run_dir).resolve() if run_dir is not None else tmp_dir / "run"
+        port = int(recipe.get("port") or _free_port())
+        url = f"http://127.0.0.1:{port}"
+        values = {"run_dir": run_folder, "seed": recipe.get("seed", 0), "dataflow_url": url}
+        stand_in = None
+        prepared = run_folder / "models" / "init"  # where the launcher's prepare step builds it
+        if func is None:
+            init_model = ""
+        elif prepared.is_dir() and any(prepared.iterdir()):  # built (a resumed run)
+            init_model = str(prepared)
+        else:
+            stand_in = tmp_dir / "init-model"
+            init_model = str(stand_in)
+            result.notes.append(f"{{init_model}}: built by recipe.prepare.function "
+                                f"({recipe['prepare']['function']}) when the run starts")
+        recipe = substitute(recipe, values)
+        _check_paths((recipe.get("prepare") or {}).get("kwargs") or {}, "recipe.prepare.kwargs",
+                     run_folder, None, result)
+        recipe = substitute(recipe, {"init_model": init_model})
+        configs = component_configs(recipe, run_folder, port)
+        result.components = list(configs)
+        trainer_names = [n for n in configs if n.startswith("trainer-")]  # in recipe order
+        for name, cfg in configs.items():
+            kind, _, rest = name.partition("-")
+            where = ("recipe.dataflow" if kind == "dataflow" else
+                     f"recipe.raas[{rest}]" if kind == "raas" else
+                     f"recipe.trainers[{trainer_names.index(name)}]")
+            _check_paths(cfg, where, run_folder, stand_in, result)
+        build_components(recipe, tmp_dir / "components", url, port)  # tokens, cpu_affinity
+        if components:
+            if stand_in is not None:
+                _stand_in_models(configs, stand_in)
+            folder = tmp_dir / "configs"
+            folder.mkdir()
+            paths = {}
+            for name, cfg in configs.items():
+                paths[name] = folder / f"{name}.yaml"
+                paths[name].write_text(yaml.safe_dump(cfg, sort_keys=False))
+            with _sys_path(_kind_pythonpath(recipe, "dataflow")):
+                _check_dataflow(paths["dataflow"])
+            with _sys_path(_kind_pythonpath(recipe, "raas")):
+                for i in range(len(recipe["raas"])):
+                    _check_raas(i, paths[f"raas-{i}"], url)
+            with _sys_path(_kind_pythonpath(recipe, "trainer")):
+                for i, name in enumerate(trainer_names):
+                    _check_trainer(i, name, paths[name])
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+__all__ = ["CheckResult", "check_recipe", "MODEL_PATH_KEYS", "DATA_PATH_KEYS"]

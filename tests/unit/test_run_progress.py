@@ -1,0 +1,43 @@
+"""The launcher's progress line: a rate (versions/s or s/version, measured from the first
+publication seen) and an ETA (to stop.versions, or the stop.max_wall_s budget if sooner)."""
+
+from __future__ import annotations
+
+from astralight.run_progress import ProgressRate, duration, progress_line
+
+
+def test_duration():
+    assert [duration(s) for s in (0, 42.4, 250, 3900)] == ["0s", "42s", "4m10s", "1h05m"]
+
+
+def test_rate_from_the_first_publication_and_eta():
+    rate = ProgressRate()
+    rate.update(0.0, 0)
+    rate.update(100.0, 0)  # start-up: no publication yet
+    assert rate.per_second() is None and rate.text(100.0, 0, 150) == "rate --"
+    rate.update(110.0, 1)
+    rate.update(130.0, 11)
+    assert rate.per_second() == 0.5
+    assert rate.text(130.0, 11, 150) == "2.0 s/version, ETA 4m38s"  # 139 versions x 2 s
+    rate.update(132.0, 31)
+    assert rate.text(132.0, 31, 150).startswith("1.4 versions/s")
+    # a time budget that ends the run first
+    assert rate.text(132.0, 31, 150, budget_end=160.0) == "1.4 versions/s, ETA 28s (max_wall_s)"
+
+
+def test_a_resumed_run_measures_from_its_own_first_publication():
+    rate = ProgressRate()
+    rate.update(0.0, 90)
+    rate.update(10.0, 91)
+    rate.update(20.0, 101)
+    assert rate.per_second() == 1.0
+
+
+def test_the_progress_line_shows_the_rate():
+    stats = {"models": {"policy": {"current_version": 40, "samples_trained": 10240,
+                                   "samples_accepted": 11000, "queue_depth": 12,
+                                   "stale_dropped": 3}}}
+    evals = {0: {"complete": True, "avg_at_k": 0.21}, 40: {"complete": True, "avg_at_k": 0.635}}
+    line = progress_line(120.0, 150, stats, evals, "policy", "2.1 s/version, ETA 3m51s")
+    assert line == ("[   120s] version 40/150 | 2.1 s/version, ETA 3m51s | trained 10240"
+                    " | accepted 11000 | queued 12 | stale 3 | eval v0 21.0% -> v40 63.5%")
