@@ -235,16 +235,30 @@ _TOKENS = re.compile(
 
 
 def _class_arguments(class_path: str) -> list[str]:
-    """The constructor arguments of an (already importable) class, for "did you mean"."""
+    """The constructor arguments of an (already importable) class, for "did you mean": a
+    constructor that takes ``**kwargs`` passes them on to its bases (``M2POPolicy`` to
+    ``RLPolicy``), whose arguments count too, as jsonargparse resolves them."""
     import importlib
 
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
-        return [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "args",
-                                                                                   "kwargs")]
     except Exception:
         return []
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                  and p.name != "self" and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def _locate(config: Any, parts: list[str]) -> Any:

@@ -827,21 +827,9 @@ class M2POPolicy(RLPolicy):
         clip_eps: PPO clip range (``ppo_clip`` only); ``clip_eps_high``: DAPO clip-higher bound.
         harmful_min_eps_low / harmful_min_eps_high: floors on the adaptive clip range of
             ``m2po_harmful`` (the released code's ``miniclip_low/high``; unset in its scripts).
-        kl_coef: k3 KL penalty to the initial model; 0 loads no reference model.
-        temperature: sampling temperature of the behaviour policy; batches whose samples say
-            otherwise are refused (their behaviour log-probs would not be comparable).
-        lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
-        micro_batch_size: samples per forward/backward; ``None`` = the whole batch at once.
-        grad_clip: max global gradient norm (``None`` or 0: no clipping, norm still logged).
-        normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
-        seed: torch seed set at fit start.
-        gradient_checkpointing: trade compute for activation memory in the HF model.
-        disable_dropout: zero every dropout of the loaded model (recommended for RL).
-        logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
-        lora: train a LoRA adapter instead of all weights (see :class:`RLPolicy`;
-            ``{r, alpha, dropout, target_modules, use_rslora, publish: adapter|merged}``).
-        optimizer, lr_scheduler: replace AdamW / the warm-up (see :class:`RLPolicy`; set them
-            with ``astralight fit --optimizer`` / ``--lr_scheduler``).
+        **kwargs: every other :class:`RLPolicy` argument (``kl_coef``, ``temperature``, ``lr``,
+            ``micro_batch_size``, ``lora``, ``optimizer``, ...), passed on unchanged;
+            ``astralight fit --model.help astralight.policy.M2POPolicy`` lists them all.
     """
 
     def __init__(
@@ -854,33 +842,11 @@ class M2POPolicy(RLPolicy):
         clip_eps_high: float | None = None,
         harmful_min_eps_low: float | None = None,
         harmful_min_eps_high: float | None = None,
-        kl_coef: float = 0.0,
-        temperature: float = 1.0,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        micro_batch_size: int | None = None,
-        grad_clip: float | None = 1.0,
-        normalize_advantages: bool = False,
-        seed: int = 0,
-        gradient_checkpointing: bool = False,
-        disable_dropout: bool = True,
-        logprob_chunk_tokens: int | None = None,
-        lora: dict | None = None,
-        optimizer: dict | None = None,
-        lr_scheduler: dict | None = None,
+        **kwargs: Any,
     ):
         if loss not in LOSSES:
             raise ValueError(f"loss: {loss!r} is not one of {LOSSES}")
-        super().__init__(
-            model_path=model_path, model_id=model_id, kl_coef=kl_coef, temperature=temperature,
-            lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
-            micro_batch_size=micro_batch_size, grad_clip=grad_clip,
-            normalize_advantages=normalize_advantages, seed=seed,
-            gradient_checkpointing=gradient_checkpointing, disable_dropout=disable_dropout,
-            logprob_chunk_tokens=logprob_chunk_tokens, lora=lora, optimizer=optimizer,
-            lr_scheduler=lr_scheduler)
+        super().__init__(model_path=model_path, model_id=model_id, **kwargs)
         self.loss_name = loss
         self.m2_threshold = m2_threshold
         self.clip_eps = clip_eps

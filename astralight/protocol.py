@@ -309,9 +309,10 @@ class Sample:
     ``loss_mask`` is 0); ``versions`` the policy version that produced each token (-1 for prompt
     and environment tokens). ``advantage`` is filled by the dataflow on ingest from the group
     (same ``task_id`` and ``model_id``) statistics. Decoding checks the fields one by one; the
-    dataflow checks more on ingest (``Dataflow._validate_samples``: the vocabulary, the
-    engine's context, published versions on every token, at least one loss-masked token,
-    log-probs >= :data:`LOGPROB_FLOOR`, :func:`check_sample_metadata`), not here, so that samples
+    dataflow checks more on ingest (``astralight.dataflow.ingest.validate_samples``: the
+    vocabulary, the engine's context, published versions on every token, at least one
+    loss-masked token, log-probs >= :data:`LOGPROB_FLOOR`, :func:`check_sample_metadata`), not
+    here, so that samples
     stored before a check existed still decode.
     """
 

@@ -194,8 +194,3 @@ def save_model_folder(model, tokenizer, path: str | Path) -> Path:
 def build_tiny_model_folder(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Build a fresh tiny model + tokenizer folder at ``path`` and return it."""
     return save_model_folder(build_model(spec), build_tokenizer(), path)
-
-
-def build_tiny_chat_model_folder(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Build a fresh tiny chat model + chat tokenizer folder at ``path`` and return it."""
-    return save_model_folder(build_chat_model(spec), build_chat_tokenizer(), path)

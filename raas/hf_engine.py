@@ -1,6 +1,6 @@
 """A small transformers engine: for unit tests, and for checks on machines without vLLM.
 
-It implements the :class:`astralight.raas.engine.Engine` contract over an ``AutoModelForCausalLM``,
+It implements the :class:`astralight.engine.Engine` contract over an ``AutoModelForCausalLM``,
 so workflow tests run without vLLM. Two sampling paths:
 
 - ``batch_size=1`` (the default): one request at a time, the whole sequence recomputed each
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from astralight.raas.engine import BatchedEngine, Completion, SamplingSpec, clamp_max_tokens
+from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
+
+from astralight.raas.engine import BatchedEngine
 
 
 class HFEngine(BatchedEngine):

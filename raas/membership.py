@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from astralight.raas.engine import engine_limits
+from astralight.engine import engine_limits
 
 log = logging.getLogger("astralight.raas")
 
@@ -114,7 +114,7 @@ class Membership:
 
     def registration_limits(self) -> dict:
         """``{model_id: {vocab_size, max_model_len}}`` of the engines serving the registered
-        model_ids (:func:`astralight.raas.engine.engine_limits`): the dataflow refuses pushed
+        model_ids (:func:`astralight.engine.engine_limits`): the dataflow refuses pushed
         samples with token ids outside the vocabulary or longer than the context, with no
         config of its own."""
         out = {}

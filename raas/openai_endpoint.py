@@ -63,7 +63,7 @@ from fastapi.responses import JSONResponse
 
 from astralight.agents.chat import encode, render
 from astralight.agents.tools import parse_tool_calls
-from astralight.raas.engine import SamplingSpec
+from astralight.engine import SamplingSpec
 from astralight.workflows.chat_episodes import decode_turn
 
 log = logging.getLogger("astralight.raas.openai")

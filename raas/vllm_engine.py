@@ -21,9 +21,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from astralight.raas.cpu_features import request_amx
+from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 from astralight.raas import vllm_driver
-from astralight.raas.engine import Completion, EngineBase, SamplingSpec, clamp_max_tokens
+from astralight.raas.cpu_features import request_amx
+from astralight.raas.engine import EngineBase
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _token_versions(spans: Any, n: int, default: int) -> list[int]:
 
 
 class VLLMEngine(EngineBase):
-    """One policy served by vLLM; implements :class:`astralight.raas.engine.Engine`.
+    """One policy served by vLLM; implements :class:`astralight.engine.Engine`.
 
     Continuous batching: :meth:`submit` (and so ``await generate``) queues one request on the
     process's :class:`~astralight.raas.vllm_driver.StepDriver`, which adds it to the running
@@ -531,18 +532,6 @@ class VLLMEngine(EngineBase):
             self._note_pause(time.perf_counter() - start)
 
         self._driver.call(load)
-
-    def clear_adapter(self, version: int | None = None) -> None:
-        """Generate with the plain weights again (optionally setting ``version``)."""
-        def clear():
-            self._drop_adapter()
-            if self._live:
-                self._restart_live()
-            self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
-            if version is not None:
-                self.version = int(version)
-
-        self._driver.call(clear)
 
     def _drop_adapter(self) -> None:
         old, self._lora = self._lora, None

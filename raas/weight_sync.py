@@ -80,7 +80,7 @@ class WeightSync:
     Args:
         client_factory: returns a DataflowClient; the background thread gets its own client.
         model_id: the policy whose weights this engine serves.
-        engine: an :class:`astralight.raas.engine.Engine`.
+        engine: an :class:`astralight.engine.Engine`.
         check_interval_s: how often to look for a newer version.
         background: verify new versions in a thread while generation continues.
         download_dir: where large files are streamed to (default: a temporary folder removed by

@@ -257,11 +257,6 @@ class FaultRun:
         self.raas = comp
         return comp
 
-    def wait_raas_ready(self, comp: Component | None = None, timeout_s: float = 180) -> None:
-        comp = comp or self.raas
-        self.wait(lambda: "raas ready" in comp.text(), timeout_s, f"{comp.name} ready",
-                  comps=[comp])
-
     def start_trainer(self, ckpt_path: str | Path | None = None) -> Component:
         argv = PY + ["fit", "--config", str(self.paths["trainer"])]
         if ckpt_path is not None:

@@ -3,9 +3,9 @@
 AstraFlow makes data algorithms plug-ins of the dataflow layer at three points: before rollout
 (prompt curators), after rollout (sample filters) and at batch serving (replay selectors), plus
 the order of the fresh queue. Every plugin is a plain class named in the dataflow YAML by import
-path (``{class_path, init_args}``, architecture rule 6); ``ALIASES`` gives the built-ins short
-names so a recipe can say ``curators: [greso]``. ``normalize_spec`` turns either form into the
-full ``{class_path, init_args}`` dict that jsonargparse instantiates.
+path (``{class_path, init_args}``, architecture rule 6); ``BUILT_INS`` gives the built-ins short
+names, per hook, so a recipe can say ``curators: [greso]``. ``normalize_spec`` turns either form
+into the full ``{class_path, init_args}`` dict that jsonargparse instantiates.
 """
 
 from __future__ import annotations
@@ -14,41 +14,70 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ALIASES: dict[str, str] = {
-    # prompt curators (pre-rollout)
-    "accept_all": "astralight.dataflow.curators.AcceptAll",
-    "filter_solved": "astralight.dataflow.curators.FilterSolved",
-    "greso": "astralight.dataflow.curators.GRESO",
-    # sample filters (post-rollout)
-    "keep_all": "astralight.dataflow.sample_filters.KeepAll",
-    "zero_advantage": "astralight.dataflow.sample_filters.ZeroAdvantage",
-    "length": "astralight.dataflow.sample_filters.LengthFilter",
-    # replay selectors (serving)
-    "latest": "astralight.dataflow.replay.Latest",
-    "uniform": "astralight.dataflow.replay.Uniform",
-    "high_variance": "astralight.dataflow.replay.HighVariance",
-    # fresh-queue orders
-    "fifo": "astralight.dataflow.queues.Fifo",
-    "edf": "astralight.dataflow.queues.Edf",
+#: The one registry of built-in plugins: short name -> import path, per hook (the config key that
+#: lists that hook's plugins). A short name is valid only for its own hook.
+BUILT_INS: dict[str, dict[str, str]] = {
+    "curators": {  # prompt curators (pre-rollout)
+        "accept_all": "astralight.dataflow.curators.AcceptAll",
+        "filter_solved": "astralight.dataflow.curators.FilterSolved",
+        "greso": "astralight.dataflow.curators.GRESO",
+    },
+    "sample_filters": {  # sample filters (post-rollout)
+        "keep_all": "astralight.dataflow.sample_filters.KeepAll",
+        "zero_advantage": "astralight.dataflow.sample_filters.ZeroAdvantage",
+        "length": "astralight.dataflow.sample_filters.LengthFilter",
+    },
+    "replay.selectors": {  # replay selectors (serving)
+        "latest": "astralight.dataflow.replay.Latest",
+        "uniform": "astralight.dataflow.replay.Uniform",
+        "high_variance": "astralight.dataflow.replay.HighVariance",
+    },
+    "queue_order": {  # fresh-queue orders
+        "fifo": "astralight.dataflow.queues.Fifo",
+        "edf": "astralight.dataflow.queues.Edf",
+    },
 }
 
-_FORMS = ("accepted forms: a short name (" + ", ".join(sorted(ALIASES)) + "), a full import path "
-          "'package.module.Class', or {class_path: <name or import path>, init_args: {...}}")
+#: every short name of every hook -> import path (short names are unique across hooks)
+ALIASES: dict[str, str] = {short: path for names in BUILT_INS.values() for short, path in names.items()}
+
+
+def hook_of(name: str) -> str | None:
+    """The hook a config location such as ``"curators[1]"`` or ``"queue_order.policy[0]"``
+    belongs to, or None when it names none (then every hook's short names are accepted)."""
+    for hook in BUILT_INS:
+        if name == hook or name.startswith((hook + "[", hook + ".")):
+            return hook
+    return None
+
+
+def short_names(name: str) -> dict[str, str]:
+    """The short names valid at the config location ``name`` (see :func:`hook_of`)."""
+    hook = hook_of(name)
+    return ALIASES if hook is None else BUILT_INS[hook]
+
+
+def _forms(name: str) -> str:
+    return ("accepted forms: a short name (" + ", ".join(sorted(short_names(name))) + "), a full "
+            "import path 'package.module.Class', or {class_path: <name or import path>, "
+            "init_args: {...}}")
 
 
 def _resolve(path: object, name: str) -> str:
-    if isinstance(path, str) and path in ALIASES:
-        return ALIASES[path]
+    names = short_names(name)
+    if isinstance(path, str) and path in names:
+        return names[path]
     if isinstance(path, str) and "." in path and all(p.isidentifier() for p in path.split(".")):
         return path
-    raise ValueError(f"{name}: unknown plugin {path!r}; {_FORMS}")
+    raise ValueError(f"{name}: unknown plugin {path!r}; {_forms(name)}")
 
 
 def normalize_spec(spec: str | dict, name: str) -> dict:
     """Return ``{"class_path": <import path>, "init_args": {...}}`` for a plugin spec from YAML.
 
-    ``name`` locates the spec in the config (e.g. ``"curators[1]"``) so a typo fails at start-up
-    with a message that says where it is and what would have been accepted. The class itself is
+    ``name`` locates the spec in the config (e.g. ``"curators[1]"``) and so says which hook's
+    short names apply; a typo fails at start-up with a message that says where it is and what
+    that hook would have accepted. The class itself is
     not imported here: the service builds it (and checks its base class) with jsonargparse.
     """
     if isinstance(spec, str):
@@ -57,13 +86,13 @@ def normalize_spec(spec: str | dict, name: str) -> dict:
         extra = set(spec) - {"class_path", "init_args"}
         if "class_path" not in spec or extra:
             what = f"unexpected keys {sorted(extra)}" if extra else "missing class_path"
-            raise ValueError(f"{name}: {what}; {_FORMS}")
+            raise ValueError(f"{name}: {what}; {_forms(name)}")
         init_args = spec.get("init_args") or {}
         if not isinstance(init_args, dict):
             raise ValueError(f"{name}.init_args: must be a mapping of argument -> value, "
                              f"got {type(init_args).__name__}")
         return {"class_path": _resolve(spec["class_path"], name), "init_args": dict(init_args)}
-    raise ValueError(f"{name}: got {type(spec).__name__} {spec!r}; {_FORMS}")
+    raise ValueError(f"{name}: got {type(spec).__name__} {spec!r}; {_forms(name)}")
 
 
 @dataclass

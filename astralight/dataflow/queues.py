@@ -12,10 +12,11 @@ every drop. A batch has exactly ``size`` samples or is not formed at all.
 from __future__ import annotations
 
 import heapq
+import importlib
 from dataclasses import dataclass
 from typing import Sequence
 
-from astralight.dataflow.plugins import DataPlugin
+from astralight.dataflow.plugins import BUILT_INS, DataPlugin
 from astralight.protocol import Sample
 
 
@@ -52,8 +53,13 @@ class Edf(QueueOrder):
         return (entry.min_version,)
 
 
-#: the built-in orders by name
-ORDERS: dict[str, type[QueueOrder]] = {"fifo": Fifo, "edf": Edf}
+def _built_in_order(name: str) -> QueueOrder:
+    """A new built-in order named by its short name in the plugin registry."""
+    names = BUILT_INS["queue_order"]
+    if name not in names:
+        raise ValueError(f"queue_order: must be one of {sorted(names)}, got {name!r}")
+    module, _, cls = names[name].rpartition(".")
+    return getattr(importlib.import_module(module), cls)()
 
 
 class FreshQueue:
@@ -65,9 +71,7 @@ class FreshQueue:
     def __init__(self, order: str | QueueOrder | Sequence[QueueOrder] = "fifo",
                  max_staleness: int = 4):
         if isinstance(order, str):
-            if order not in ORDERS:
-                raise ValueError(f"queue_order: must be one of {sorted(ORDERS)}, got {order!r}")
-            order = [ORDERS[order]()]
+            order = [_built_in_order(order)]
         elif isinstance(order, QueueOrder):
             order = [order]
         if not order or not all(isinstance(o, QueueOrder) for o in order):

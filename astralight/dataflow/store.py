@@ -401,11 +401,6 @@ class Store:
             (task_id, model_id, sample_index, min_version, reward, state, blob, now))
         return int(cur.lastrowid)
 
-    def samples_by_id(self, ids: list[int]) -> list[sqlite3.Row]:
-        marks = ",".join("?" * len(ids))
-        return self.conn.execute(f"SELECT id, model_id, min_version, state, blob FROM samples"
-                                 f" WHERE id IN ({marks}) ORDER BY id", ids).fetchall() if ids else []
-
     def replay_candidates(self, model_id: str, min_version: int, limit: int) -> list[sqlite3.Row]:
         """The newest ``limit`` trained samples of ``model_id`` not older than ``min_version``,
         with how often each was replayed (what a restarted service's replay pool holds)."""

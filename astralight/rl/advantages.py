@@ -3,21 +3,41 @@
 A group is the set of samples drawn for one task by one policy (same ``task_id`` and
 ``model_id``). ``A = (r - mean_g) / (std_g + eps)``; a group of one sample gets ``A = 0`` (it has
 no baseline to compare with), and a group whose rewards are all equal gets ``A = 0`` too. The
-dataflow computes this on ingest (it sees whole groups); the trainer may renormalise over the batch
-it trains on and broadcasts each sample's advantage to its loss-masked tokens.
+dataflow computes this on ingest with :func:`group_stats` (numpy, float64: it sees one group at a
+time and never imports torch); the trainer may renormalise over the batch it trains on and
+broadcasts each sample's advantage to its loss-masked tokens (torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+import numpy as np
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+#: the default ``eps`` of the advantage denominator ``std + eps``
+ADV_EPS = 1e-6
+
+
+def group_stats(rewards: Sequence[float], eps: float = ADV_EPS) -> tuple[float, float, list[float]]:
+    """``(mean, std, advantages)`` of one group's rewards: the population std in float64 and
+    ``A = (r - mean) / (std + eps)`` per reward, so a singleton or an all-equal group gets 0.
+
+    The dataflow's ingest path (no torch): it stores ``mean`` and ``std`` on every sample too.
+    """
+    values = np.asarray(rewards, dtype=np.float64)
+    mean, std = float(values.mean()), float(values.std())
+    return mean, std, [(r - mean) / (std + eps) for r in rewards]
 
 
 def group_ids_to_index(group_ids: Sequence[Hashable] | Tensor) -> Tensor:
     """Map arbitrary group keys (strings, tuples, ints, or a tensor of ids) to dense ids 0..G-1."""
-    if isinstance(group_ids, Tensor):
+    import torch
+
+    if isinstance(group_ids, torch.Tensor):
         _, inverse = torch.unique(group_ids, return_inverse=True)
         return inverse.long()
     index: dict[Hashable, int] = {}
@@ -35,8 +55,10 @@ def group_normalized_advantages(
 
     ``scale_by_std=False`` gives Dr.GRPO's ``r - mean_g``. ``unbiased_std`` selects the n-1
     estimator (verl's choice); the default population std keeps ``A`` in [-sqrt(n-1), sqrt(n-1)]
-    and is what the dataflow uses on ingest. Singletons get 0.
+    matches :func:`group_stats`, what the dataflow uses on ingest. Singletons get 0.
     """
+    import torch
+
     rewards = rewards.float()
     if rewards.ndim != 1:
         raise ValueError(f"rewards: expected shape [N], got {tuple(rewards.shape)}")
@@ -63,6 +85,8 @@ def batch_normalize(advantages: Tensor, eps: float = 1e-6, mask: Tensor | None =
     :func:`astralight.rl.m2po.all_reduce_sum`): with it the mean and std are those of the global
     batch, not of this rank's share (two small all-reduces: the sum and count, then the squared
     deviations from the global mean)."""
+    import torch
+
     a = advantages.float()
     m = torch.ones_like(a, dtype=torch.bool) if mask is None else mask.bool()
     reduce_sum = reduce_sum or (lambda x: x)
@@ -79,4 +103,6 @@ def broadcast_to_tokens(advantages: Tensor, loss_mask: Tensor) -> Tensor:
         raise ValueError(
             f"advantages: expected shape [{loss_mask.shape[0]}], got {tuple(advantages.shape)}"
         )
+    import torch
+
     return advantages.to(loss_mask.device, torch.float32)[:, None] * loss_mask.float()

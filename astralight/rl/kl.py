@@ -45,16 +45,6 @@ def masked_mean(x: Tensor, mask: Tensor, denom: Tensor | float | None = None) ->
     return total / denom.clamp(min=1)
 
 
-def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 = log pi_theta - log pi_ref (unbiased, high variance, can be negative)."""
-    return logp - ref_logp
-
-
-def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k2 = 0.5 * (log pi_theta - log pi_ref)^2 (biased, low variance)."""
-    return 0.5 * (logp - ref_logp).square()
-
-
 def kl_k3(logp: Tensor, ref_logp: Tensor, clamp: float | None = 10.0) -> Tensor:
     """k3 = exp(d) - d - 1 with d = log pi_ref - log pi_theta (unbiased, >= 0, low variance).
 

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from astralight.agents.chat import ChatTranscript, encode
-from astralight.raas.engine import Completion
+from astralight.engine import Completion
 from astralight.tasks.warmstart import Progress, _build_folder, _sft
 from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec, build_chat_model, build_chat_tokenizer
 

@@ -1,4 +1,4 @@
-"""The weight interface: bf16 bit patterns, the bit-diff delta codec, artifacts and a local store.
+"""The weight interface: bf16 bit patterns, the bit-diff delta codec and artifacts.
 
 Typical use::
 
@@ -14,7 +14,7 @@ Typical use::
     changed = ws.apply(manifest, {name: client.download_weight_file(...) for name in manifest.files})
     engine.update_weights(ws.tensors(changed), manifest.version)
 
-See ``delta.py`` for the blob format and ``store.py`` for the on-disk layout.
+See ``delta.py`` for the blob format; the service keeps the files (``dataflow/weightfiles.py``).
 """
 
 from astralight.weights.artifacts import (
@@ -46,11 +46,10 @@ from astralight.weights.delta import (
     encode_gaps,
     read_delta_header,
 )
-from astralight.weights.store import LocalWeightStore, WeightStoreError
 
 __all__ = [
     "BF16", "DEFAULT_LEVEL", "DELTA_FILE", "FULL_FILE", "Artifact", "ArtifactBuilder", "DeltaError",
-    "DeltaStats", "LocalWeightStore", "WeightState", "WeightStoreError", "WeightVerificationError",
+    "DeltaStats", "WeightState", "WeightVerificationError",
     "apply_delta", "apply_delta_artifact", "bits_to_tensor", "build_delta", "build_full",
     "changed_indices", "check_delta_artifact", "decode_gaps", "encode_delta", "encode_gaps",
     "read_delta_header", "read_full", "state_digest", "state_to_bits", "tensor_checksum",

@@ -56,7 +56,7 @@ class Workflow:
       none is refused); ``versions`` the policy version of every token (the engine's
       ``Completion.versions``; -1 on prompt and environment tokens), none newer than the
       published version. At most the engine's ``max_model_len`` tokens, ids below its
-      ``vocab_size`` (both registered by the RaaS: :func:`astralight.raas.engine.engine_limits`).
+      ``vocab_size`` (both registered by the RaaS: :func:`astralight.engine.engine_limits`).
     - ``reward``: a finite float. Advantages are normalised per (``model_id``, ``role``) group
       of a task. On eval tasks (``task.kind == "eval"``) avg@k is the mean reward and a sample
       counts as **correct for pass@k when reward > 0.5**
@@ -91,7 +91,7 @@ class Workflow:
         """Run one task and return its samples (may be empty: nothing to train on).
 
         ``engines`` maps a key (the model_id for single-policy workflows) to an
-        :class:`astralight.raas.engine.Engine`.
+        :class:`astralight.engine.Engine`.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement async run(task, engines)")
 

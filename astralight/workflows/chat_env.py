@@ -38,8 +38,8 @@ from typing import Any, Callable
 from astralight.agents.chat import ChatTranscript
 from astralight.agents.stats import ToolStats
 from astralight.agents.tools import parse_tool_calls
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from astralight.workflows.base import blocking
 from astralight.workflows.chat_episodes import ChatEpisodeWorkflow
 from astralight.workflows.multi_turn import Environment, _resolve

@@ -16,8 +16,8 @@ from typing import Any
 from astralight.agents.chat import ChatTranscript
 from astralight.agents.stats import ToolStats
 from astralight.agents.tools import ToolBox, ToolCall
+from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.workflows.base import Workflow, episode_jobs
 
 log = logging.getLogger(__name__)

@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Iterator
 
+from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
 from astralight.workflows.base import Reply, Workflow, check_roles, encode_text_prompt

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.workflows.base import Workflow, blocking, episode_jobs, tokenize_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow
 

@@ -60,8 +60,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from astralight.agents.stats import ERROR_KINDS
+from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Workflow, blocking, episode_jobs
 from astralight.workflows.chat_episodes import task_messages

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from astralight.engine import Completion, SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import Completion, SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Workflow, blocking, tokenize_prompt
 

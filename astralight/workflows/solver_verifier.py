@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any, Iterator
 
+from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
-from astralight.raas.engine import SamplingSpec, gather_all
 from astralight.rewards.base import Reward
 from astralight.workflows.base import Reply, Workflow, blocking, check_roles, encode_text_prompt
 from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample

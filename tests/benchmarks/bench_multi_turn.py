@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+    from astralight.engine import SamplingSpec
     from astralight.protocol import Task
-    from astralight.raas.engine import SamplingSpec
     from astralight.raas.vllm_engine import VLLMEngine
     from astralight.tinymodel import build_tiny_model_folder
     from astralight.workflows.multi_turn import MultiTurnWorkflow

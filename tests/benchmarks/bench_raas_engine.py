@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from astralight.raas.engine import SamplingSpec
+    from astralight.engine import SamplingSpec
     from astralight.raas.vllm_engine import VLLMEngine
     from astralight.tinymodel import TinyModelSpec, build_model, build_tiny_model_folder
 

@@ -256,7 +256,7 @@ def run_model(name: str, device: str, workdir: Path, rec: Recorder, args) -> Non
         with rec.stage("dataflow_start"):
             url, dataflow = start_dataflow(workdir)
 
-        from astralight.raas.engine import SamplingSpec
+        from astralight.engine import SamplingSpec
 
         prompt_len, max_tokens, group = prof["prompt_len"], prof["max_tokens"], prof["group"]
         kind, why = choose_engine(args.engine)

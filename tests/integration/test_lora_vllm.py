@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from astralight.dataflow.client import DataflowClient
+from astralight.engine import SamplingSpec
 from astralight.lora import LoraSpec, adapter_config, adapter_state_dict, merged_state_dict, wrap_model
-from astralight.raas.engine import SamplingSpec
 from astralight.raas.weight_sync import WeightSync
 from astralight.weights import ArtifactBuilder
 

@@ -33,7 +33,7 @@ class FlushEachStep(pl.Callback):
         self.at_step[trainer.global_step] = {
             n: to_bf16_bits(t.detach().to(torch.bfloat16)) for n, t in pl_module.model.state_dict().items()}
         if trainer.global_step == self.kill_after_step:
-            proc = self.publisher._encoder.proc
+            proc = self.publisher._worker._encoder.proc
             self.killed_pid = proc.pid
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -70,6 +70,6 @@ def test_process_worker_publishes_exact_versions_and_survives_a_killed_encoder(
     assert records[2]["kind"] == 0.0 and 0.5 < records[2]["sparsity"] < 1.0
     assert records[2]["compression_ratio"] > 1.5 and records[2]["delta_bytes"] == records[2]["bytes"]
     # fit end stopped the encoder and released the slots
-    assert publisher._encoder is None and publisher._slot_fds == []
+    assert publisher._worker._encoder is None and publisher._worker._slot_fds == []
     assert flush.killed_pid is not None
     client.close()

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from astralight.rewards.qa import QAExactMatchReward
 from tests.unit.engine_fakes import run_tasks
 

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from tests.unit.engine_fakes import run_tasks
 
 pytestmark = pytest.mark.vllm

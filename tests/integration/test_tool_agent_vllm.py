@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.tool_warmstart import TOOL_SOURCE_KWARGS, TOOL_SYSTEM_PROMPT

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from astralight.raas.engine import SamplingSpec
+from astralight.engine import SamplingSpec
 from tests.unit.engine_fakes import run_tasks
 
 pytestmark = pytest.mark.vllm

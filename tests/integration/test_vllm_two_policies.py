@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
 from astralight.raas.config import RaaSConfig
-from astralight.raas.engine import SamplingSpec
 from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
 from astralight.workflows.latency import LongTailLatency

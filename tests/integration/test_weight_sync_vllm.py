@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from astralight.dataflow.client import DataflowClient
+from astralight.engine import SamplingSpec
 from astralight.netshape import ShapedProxy
-from astralight.raas.engine import SamplingSpec
 from astralight.raas.weight_sync import WeightSync
 from astralight.weights import ArtifactBuilder
 from astralight.weights.delta import MAGIC

@@ -13,7 +13,9 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from astralight.raas.engine import BatchedEngine, Completion, SamplingSpec
+from astralight.engine import Completion, SamplingSpec
+
+from astralight.raas.engine import BatchedEngine
 
 
 def run_tasks(workflow: Any, tasks: list, engines: dict[str, Any]) -> dict[str, list]:

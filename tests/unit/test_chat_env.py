@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from astralight.agents.chat import encode, render
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from astralight.tinymodel import build_chat_tokenizer
 from astralight.workflows.chat_env import ChatEnvWorkflow, action_text
 from astralight.workflows.multi_turn import Environment

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from astralight.agents.chat import ChatTranscript, TemplateError, encode, render
-from astralight.raas.engine import Completion
+from astralight.engine import Completion
 from astralight.tinymodel import build_chat_tokenizer, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.",

@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import SamplingSpec
 from astralight.workflows import code_testgen
 from astralight.workflows.code_testgen import CodeSolverTestGen, parse_tests
 from tests.unit.engine_fakes import PromptScriptEngine, run_tasks

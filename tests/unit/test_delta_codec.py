@@ -1,12 +1,9 @@
-"""Unit tests of the weight interface: bf16 bits, the delta codec, artifacts and the local store."""
+"""Unit tests of the weight interface: bf16 bits, the delta codec, and artifacts."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import struct
-import time
 import zlib
 
 import msgpack
@@ -23,9 +20,7 @@ from astralight.weights import (
     DELTA_FILE,
     ArtifactBuilder,
     DeltaError,
-    LocalWeightStore,
     WeightState,
-    WeightStoreError,
     WeightVerificationError,
     apply_delta,
     apply_delta_artifact,
@@ -544,96 +539,34 @@ def test_delta_manifest_lists_every_tensor_and_only_changed_tensors_travel():
     assert art.manifest.files[DELTA_FILE]["bytes"] == len(art.files[DELTA_FILE])
 
 
-# ----------------------------------------------------------------------------- store
+# ----------------------------------------------------------------------------- files on disk
 
 
-def publish_versions(store, n=6, full_every=3):
-    b = ArtifactBuilder("policy", full_every=full_every)
-    state, arts = model_state(), []
-    for v in range(n):
+def write_version(root, art):
+    """Write an artifact's files as the weight store lays them out; return ``{name: path}``."""
+    d = root / art.manifest.model_id / str(art.manifest.version)
+    d.mkdir(parents=True)
+    for name, data in art.files.items():
+        (d / name).write_bytes(data)
+    return {name: d / name for name in art.files}
+
+
+def test_receiver_applies_full_and_delta_versions_from_files_on_disk(tmp_path):
+    b = ArtifactBuilder("policy", full_every=3)
+    state, arts, paths = model_state(), [], []
+    for v in range(5):
         arts.append(b.build(v, state))
-        store.put(arts[-1].manifest, arts[-1].files)
+        paths.append(write_version(tmp_path, arts[-1]))
         state = step(state, v)
-    return arts
-
-
-def test_store_put_list_and_newcomer_chain(tmp_path):
-    store = LocalWeightStore(tmp_path)
-    arts = publish_versions(store, n=5)
-    assert store.versions("policy") == [0, 1, 2, 3, 4]
-    assert store.latest_manifest("policy") == arts[-1].manifest
-    assert store.manifest("policy", 2) == arts[2].manifest
-    chain = store.chain("policy")
-    assert [m.version for m in chain] == [3, 4] and chain[0].kind == "full"
-    assert [m.version for m in store.chain("policy", 2)] == [0, 1, 2]
+    chain = arts[3:]
+    assert [a.manifest.kind for a in chain] == ["full", "delta"]
     r = WeightState()
-    for m in chain:
-        r.apply(m, store.files("policy", m.version))  # from paths: loaded by safetensors
+    for a in chain:
+        r.apply(a.manifest, paths[a.manifest.version])  # from paths: loaded by safetensors
     verify_state(r.state, arts[-1].manifest)
-    for m in chain:  # applying deltas in memory never writes through to the stored files
-        for name, path in store.files("policy", m.version).items():
-            assert hashlib.sha256(path.read_bytes()).hexdigest() == m.files[name]["sha256"]
-    assert store.file_path("policy", 4, DELTA_FILE).read_bytes() == arts[4].files[DELTA_FILE]
-    json.loads((tmp_path / "policy" / "v0000000004" / "manifest.json").read_text())  # human-readable
-    with pytest.raises(WeightStoreError, match="not stored"):
-        store.manifest("policy", 9)
-    assert store.model_ids() == ["policy"]
-
-
-def test_store_gc_keeps_the_latest_full_and_later_deltas(tmp_path):
-    store = LocalWeightStore(tmp_path)
-    publish_versions(store, n=8, full_every=3)  # fulls at 0, 3, 6
-    stale = tmp_path / "policy" / ".tmp-v99-dead"
-    stale.mkdir()
-    old = time.time() - 7200
-    os.utime(stale, (old, old))
-    fresh = tmp_path / "policy" / ".tmp-v100-live"
-    fresh.mkdir()
-    assert store.gc("policy") == [0, 1, 2, 3, 4, 5]
-    assert store.versions("policy") == [6, 7]
-    assert [m.kind for m in store.chain("policy")] == ["full", "delta"]
-    assert not stale.exists() and fresh.exists()  # only old leftovers are removed
-    assert store.gc("policy") == []
-
-
-def test_store_put_is_checked_atomic_and_idempotent(tmp_path):
-    store = LocalWeightStore(tmp_path)
-    art = build_full("policy", 1, model_state())
-    name = next(iter(art.files))
-    with pytest.raises(WeightStoreError, match="sha256"):
-        store.put(art.manifest, {name: art.files[name][:-1] + b"\0"})
-    with pytest.raises(WeightStoreError, match="were not given"):
-        store.put(art.manifest, {})
-    assert store.versions("policy") == []
-    assert [p.name for p in (tmp_path / "policy").iterdir()] == []  # no leftovers
-    src = tmp_path / "upload.bin"
-    src.write_bytes(art.files[name])
-    store.put(art.manifest, {name: src})  # from a path
-    store.put(art.manifest, art.files)  # same again: no-op
-    other = build_full("policy", 1, step(model_state(), 3))
-    with pytest.raises(WeightStoreError, match="other content"):
-        store.put(other.manifest, other.files)
-    for bad in ("../x", ".hidden", "a/b", ""):
-        with pytest.raises(WeightStoreError):
-            store.versions(bad)
-
-
-def test_store_stage_then_publish(tmp_path):
-    store = LocalWeightStore(tmp_path)
+    for a in chain:  # applying deltas in memory never writes through to the stored files
+        for name, path in paths[a.manifest.version].items():
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == a.manifest.files[name]["sha256"]
     art = build_full("policy", 0, model_state(), shard_bytes=600)
-    names = list(art.files)
-    for n in names[:-1]:
-        store.stage("policy", 0, n, art.files[n])
-    with pytest.raises(WeightStoreError, match="was not uploaded"):
-        store.publish(art.manifest)
-    assert not store.has("policy", 0)
-    store.stage("policy", 0, names[-1], b"garbage")
-    with pytest.raises(WeightStoreError, match="sha256|bytes"):
-        store.publish(art.manifest)
-    store.stage("policy", 0, names[-1], art.files[names[-1]])  # re-upload replaces it
-    store.stage("policy", 0, "extra.bin", b"not in the manifest")
-    store.publish(art.manifest)
-    assert store.versions("policy") == [0]
-    assert sorted(store.files("policy", 0)) == sorted(names)
-    assert not (store.version_dir("policy", 0) / "extra.bin").exists()
-    assert_same(read_full(art.manifest, store.files("policy", 0)), read_full(art.manifest, art.files))
+    on_disk = write_version(tmp_path / "sharded", art)
+    assert_same(read_full(art.manifest, on_disk), read_full(art.manifest, art.files))

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from astralight.raas.engine import SamplingSpec
+from astralight.engine import SamplingSpec
 from astralight.raas.hf_engine import HFEngine
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [20]]

@@ -12,8 +12,8 @@ import torch
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
+from astralight.engine import engine_limits
 from astralight.protocol import LOGPROB_FLOOR, MAX_VOCAB_SIZE, Sample, temperature_mismatch
-from astralight.raas.engine import engine_limits
 from tests.unit.dataflow_fakes import publish, samples
 
 
@@ -161,7 +161,7 @@ def test_engine_limits_read_what_an_engine_has():
 def test_the_raas_registers_its_engines_limits():
     """The RaaS says each engine's vocabulary and context at registration (no dataflow config)."""
     from astralight.raas.config import RaaSConfig
-    from astralight.raas.engine import SamplingSpec
+    from astralight.engine import SamplingSpec
     from astralight.raas.service import RaaSService
     from astralight.rewards.toy import ExactMatchReward
     from astralight.tinymodel import build_tokenizer

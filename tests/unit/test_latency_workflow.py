@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.raas.engine import SamplingSpec
 from astralight.tinymodel import build_tokenizer
 from astralight.workflows import latency
 from astralight.workflows.base import Workflow

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import SamplingSpec
 from astralight.tinymodel import build_tokenizer
 from astralight.workflows.multi_turn import ArithmeticHintEnv, Environment, MultiTurnWorkflow
 from tests.unit.engine_fakes import TurnScriptEngine, run_tasks

@@ -219,7 +219,7 @@ def test_context_too_long_and_max_calls(endpoint, tok):
 
 
 def test_sampling_defaults_and_forced_sampling(endpoint, engine):
-    from astralight.raas.engine import SamplingSpec
+    from astralight.engine import SamplingSpec
 
     def call(base_url, key):
         client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
@@ -397,7 +397,7 @@ def test_calls_at_different_temperatures_never_share_a_sample():
 
 
 def test_forced_sampling_is_the_default_and_overrides_a_hard_coded_seed(endpoint, engine):
-    from astralight.raas.engine import SamplingSpec
+    from astralight.engine import SamplingSpec
 
     assert OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward()).force_sampling is True
 

@@ -7,7 +7,7 @@ import pytest
 
 from astralight.dataflow.config import instantiate_plugin
 from astralight.dataflow.curators import GRESO, AcceptAll, FilterSolved, PromptCurator
-from astralight.dataflow.plugins import ALIASES, DataPlugin, normalize_spec
+from astralight.dataflow.plugins import ALIASES, BUILT_INS as REGISTRY, DataPlugin, normalize_spec
 from astralight.dataflow.replay import HighVariance, Latest, ReplaySelector, Uniform
 from astralight.dataflow.sample_filters import KeepAll, LengthFilter, SampleFilter, ZeroAdvantage
 
@@ -24,6 +24,28 @@ def test_aliases_cover_every_builtin_and_the_queue_orders():
     assert set(ALIASES) == set(BUILT_INS) | {"fifo", "edf"}
     assert ALIASES["fifo"] == "astralight.dataflow.queues.Fifo"
     assert ALIASES["edf"] == "astralight.dataflow.queues.Edf"
+
+
+def test_short_names_are_unique_across_hooks():
+    assert len(ALIASES) == sum(len(names) for names in REGISTRY.values())
+    assert set(REGISTRY["queue_order"]) == {"fifo", "edf"}
+
+
+@pytest.mark.parametrize("where, hook", [("curators[0]", "curators"),
+                                         ("sample_filters[2]", "sample_filters"),
+                                         ("replay.selectors[0]", "replay.selectors"),
+                                         ("queue_order", "queue_order"),
+                                         ("queue_order.policy[1]", "queue_order")])
+def test_unknown_plugin_message_lists_only_that_hooks_short_names(where, hook):
+    with pytest.raises(ValueError) as err:
+        normalize_spec("nope", where)
+    msg = str(err.value)
+    assert msg.startswith(where)
+    for short in ALIASES:
+        assert (f"{short}," in msg or f"{short})" in msg) == (short in REGISTRY[hook])
+    other = next(s for h, names in REGISTRY.items() if h != hook for s in names)
+    with pytest.raises(ValueError, match="unknown plugin"):
+        normalize_spec(other, where)  # another hook's short name is not valid here
 
 
 @pytest.mark.parametrize("alias", sorted(BUILT_INS))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from astralight.raas.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 from astralight.raas.vllm_engine import safetensors_blob
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from astralight.dataflow import client as client_mod
 from astralight.dataflow.client import DataflowClient
+from astralight.engine import SamplingSpec
 from astralight.raas.config import RaaSConfig
-from astralight.raas.engine import SamplingSpec
 from astralight.raas.service import REFUSED_EXIT, RaaSService, _start
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Task
 from astralight.raas.config import RaaSConfig
-from astralight.raas.engine import SamplingSpec
 from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer

@@ -18,9 +18,9 @@ from astralight.agents import stats as agent_stats
 from astralight.dataflow import evals, sample_filters
 from astralight.dataflow.errors import ServiceError
 from astralight.datamodules.rollout import collate_batch
+from astralight.engine import Engine, engine_limits
 from astralight.policy import RLPolicy
 from astralight.protocol import Batch, Sample, check_sample_metadata
-from astralight.raas.engine import Engine, engine_limits
 from astralight.workflows.base import Workflow
 from tests.unit.batch_ack_flow import make
 

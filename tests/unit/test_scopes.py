@@ -363,8 +363,8 @@ def _client(http: TestClient, token: str) -> DataflowClient:
 
 def _scoped_raas(client_factory, instance_id: str, out: io.StringIO | None = None):
     """A RaaS of one scripted engine (answers "82") reaching the app through ``client_factory``."""
+    from astralight.engine import SamplingSpec
     from astralight.raas.config import RaaSConfig
-    from astralight.raas.engine import SamplingSpec
     from astralight.raas.service import RaaSService
     from astralight.rewards.toy import ExactMatchReward
     from astralight.tinymodel import build_tokenizer

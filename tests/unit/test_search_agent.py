@@ -297,8 +297,8 @@ def test_warmstart_scripts_search_then_copy_the_answer(tmp_path):
 def test_a_scripted_episode_searches_and_scores(tmp_path):
     """ToolAgentWorkflow with the search tool and a scripted engine: the call is run, its
     result is masked, the copied answer scores 1."""
+    from astralight.engine import SamplingSpec
     from astralight.protocol import Task
-    from astralight.raas.engine import SamplingSpec
     from astralight.tasks.search_warmstart import SEARCH_SYSTEM_PROMPT, SEARCH_TOOL_ARGS
     from astralight.tasks.tool_warmstart import tool_call_text
     from astralight.tinymodel import build_chat_tokenizer

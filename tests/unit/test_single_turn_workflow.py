@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import SamplingSpec
 from astralight.rewards.toy import ExactMatchReward
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.unit.engine_fakes import ScriptedEngine, run_tasks

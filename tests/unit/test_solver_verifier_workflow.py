@@ -13,8 +13,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.raas.engine import SamplingSpec
 from astralight.rewards.base import Reward
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer

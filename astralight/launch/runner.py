@@ -1,0 +1,441 @@
+"""``run()``: one launch of a recipe, in named steps -- read and check the recipe, open the run
+folder, prepare the initial model, start the components, watch the run until a stop condition
+and its stop sequence have run their course, summarize, stop the components in order.
+
+:class:`Launch` holds what one launch knows (its recipe, run folder, components and supervisor);
+the reads of the dataflow are :mod:`astralight.launch.monitor`, the run-folder state
+:mod:`astralight.launch.state`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from astralight.launch.components import (
+    Component,
+    _default_recipe,
+    _free_port,
+    build_components,
+    running_components,
+    write_pids,
+)
+from astralight.launch.monitor import (
+    _balance_report,
+    _eval_requester,
+    _eval_table,
+    _mark_recoveries,
+    _per_version_counters,
+    _wait_ready,
+    read_stats,
+)
+from astralight.launch.state import (
+    _load_launch_state,
+    _save_launch_state,
+    _trainer_resume_args,
+    write_atomic,
+)
+from astralight.launch_log import current_launch_log, kept_in_launch_log
+from astralight.recipe import (
+    RecipeError,
+    autoscale_settings,
+    load_recipe,
+    substitute,
+    supervise_settings_checked,
+    use_pythonpath,
+)
+from astralight.run_balance import AUTOSCALE, FIXED, BalanceLog
+from astralight.run_progress import ProgressRate, progress_line
+from astralight.run_stop import (TIMEOUT, StopConditions, StopError, StopSequence,
+                                 resolve_versions, stop_settings)
+from astralight.run_summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
+                                    read_pool_history, short_line, trainer_wait_fraction,
+                                    wall_s_to_accuracy, write_summary)
+from astralight.supervise import GiveUp, RestartEvent, Supervisor
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+@kept_in_launch_log  # RUN/launch.log: this function's output, and its failure
+def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = False,
+        resume: bool = False, check: bool = True) -> dict:
+    """Run a recipe to completion and return the full summary (``RUN/summary.json``; a short
+    line of it is printed last).
+
+    ``resume``: continue the run folder ``run_dir`` (the dataflow on its state folder, trainers
+    from their last checkpoint, the prepared model reused) until ``stop.versions``; the recipe
+    defaults to the one the first launch saved in ``run_dir/recipe.yaml``.
+
+    Components are supervised (``recipe.supervise``, :mod:`astralight.supervise`): a crashed one
+    is restarted -- the dataflow on its state folder, a RaaS fresh, a trainer from its last
+    checkpoint -- and the run fails only when one crashes more than ``max_restarts`` times.
+
+    ``check``: before anything starts (no run folder, no prepare step), every component config
+    and local path is checked as ``astralight run --check`` does (:mod:`astralight.check`);
+    without it only the recipe's own keys are. The recipe's ``pythonpath`` goes on this process's
+    ``sys.path`` (for the prepare function) and on every component's ``PYTHONPATH``.
+    """
+    t_start = time.time()
+    if resume:
+        recipe_path, run_dir = _resume_target(recipe_path, run_dir)
+    recipe_path = Path(recipe_path) if recipe_path is not None else _default_recipe()
+    recipe, settings, stop = _read_recipe(recipe_path, run_dir, check)
+    launch = Launch(recipe_path, recipe, stop, settings, run_dir, resume=resume, quiet=quiet,
+                    t_start=t_start)
+    previous_term = _stop_on_sigterm()
+    try:
+        launch.start_components()
+        launch.watch()
+        summary = launch.summary()
+    except KeyboardInterrupt:
+        print("\n[launch] interrupted: stopping components", flush=True)
+        raise
+    except GiveUp as exc:
+        raise RuntimeError(str(exc)) from None
+    finally:
+        launch.stop_components()
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+        print("[launch] all components stopped", flush=True)
+    # the full record in summary.json; on the terminal (and in launch.log) one short line, last
+    write_summary(launch.run_dir, summary)
+    print(short_line(summary), flush=True)
+    launch.check_outcome(summary)
+    return summary
+
+
+def _resume_target(recipe_path: Path | None, run_dir: Path | None) -> tuple[Path, Path]:
+    """The recipe and run folder of ``--resume``: the folder must exist, hold its recipe (unless
+    one is given) and have none of its components still running."""
+    if run_dir is None:
+        raise RecipeError("--resume: name the run folder to resume")
+    run_dir = Path(run_dir).resolve()
+    if not run_dir.is_dir():
+        raise RecipeError(f"--resume: {run_dir} is not a folder")
+    if recipe_path is None:
+        recipe_path = run_dir / "recipe.yaml"
+        if not recipe_path.is_file():
+            raise RecipeError(f"--resume: {recipe_path} is missing (a run folder written by "
+                              "an older launcher); pass the recipe as well")
+    alive = running_components(run_dir)
+    if alive:
+        raise RecipeError(f"--resume: components of {run_dir} are still running "
+                          f"{alive}; stop them first (kill PID) so that two copies do not "
+                          "share the state folder")
+    return recipe_path, run_dir
+
+
+def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool) -> tuple[dict, dict, dict]:
+    """The recipe, its supervise settings and its stop settings, checked before anything starts
+    (the recipe's ``pythonpath`` goes on ``sys.path`` first, for the checks and prepare)."""
+    recipe = load_recipe(recipe_path)
+    settings = supervise_settings_checked(recipe.get("supervise"))
+    use_pythonpath(recipe)
+    if check:
+        from astralight.check import check_recipe
+
+        checked = check_recipe(recipe_path, recipe, run_dir)
+        print(f"[launch] {checked.line()}", flush=True)
+    try:  # stop.versions and max_steps in step, stop's defaults
+        recipe = resolve_versions(recipe)
+        stop = stop_settings(recipe["stop"])
+    except StopError as exc:
+        raise RecipeError(str(exc)) from None
+    return recipe, settings, stop
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm():
+    """SIGTERM (a scheduler, `kill`) stops the run like Ctrl-C: components in order, the run
+    folder left resumable, instead of the launcher dying and orphaning them. The previous
+    handler (None off the main thread, where no handler can be set)."""
+    if threading.current_thread() is threading.main_thread():
+        return signal.signal(signal.SIGTERM, _interrupt)
+    return None
+
+
+def prepare_initial_model(recipe: dict, run_dir: Path) -> str:
+    """Run the recipe's ``prepare`` step (e.g. build the warm-started toy policy) once per run dir."""
+    prep = recipe.get("prepare")
+    if not prep:
+        return ""
+    target = prep.get("function")
+    if not isinstance(target, str) or "." not in target:
+        raise RecipeError("recipe.prepare.function: must be an import path like pkg.module.func")
+    module_name, func_name = target.rsplit(".", 1)
+    func = getattr(importlib.import_module(module_name), func_name)
+    out = run_dir / "models" / "init"
+    if (out / "config.json").exists():
+        print(f"[launch] reusing prepared model {out}", flush=True)
+        return str(out)
+    t0 = time.time()
+    print(f"[launch] preparing the initial policy with {target} ...", flush=True)
+    func(out_dir=str(out), **(prep.get("kwargs") or {}))
+    print(f"[launch] initial policy ready in {time.time() - t0:.0f}s: {out}", flush=True)
+    return str(out)
+
+
+class Launch:
+    """One launch of a recipe: its run folder, prepared model, components and supervisor, and
+    what the watch of the run has seen (stats, evaluations, the stop sequence)."""
+
+    def __init__(self, recipe_path: Path, recipe: dict, stop: dict, settings: dict,
+                 run_dir: Path | None, *, resume: bool, quiet: bool, t_start: float):
+        self.resume, self.quiet, self.t_start, self.stop = resume, quiet, t_start, stop
+        self.name = recipe.get("name", recipe_path.stem)
+        self.run_dir = self._open_run_folder(recipe_path, recipe, run_dir)
+        self.prior = _load_launch_state(self.run_dir)
+        if resume:
+            self.prior["resumes"] += 1
+        port = int(recipe.get("port") or _free_port())
+        self.url = f"http://127.0.0.1:{port}"
+        self.recipe = self._prepared(recipe)
+        self.model_id, self.target = stop["model_id"], int(stop["versions"])
+        self.comps = build_components(self.recipe, self.run_dir, self.url, port)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # where the run stood just after each crash, (version, rollouts) from the first stats
+        # read after it: progress beyond that tells when the restarted component recovered
+        self.marks: dict[int, tuple[int, int]] = {}
+        self.progress = {"version": 0, "rollouts": 0, "stats_ok": False, "at": 0.0}
+        self.sup = Supervisor(self.comps, settings, self.restart, log=_say,
+                              on_event=self.on_event)
+        # what the watch sees; the stop sequence starts once a stop condition is reached
+        self.stats: dict = {}
+        self.evals: dict = {}
+        self.sequence: StopSequence | None = None
+        self.stop_detail = ""
+
+    # ------------------------------------------------------------------ setting up
+
+    def _open_run_folder(self, recipe_path: Path, recipe: dict, run_dir: Path | None) -> Path:
+        """Create the run folder, open its ``launch.log`` and save the resolved recipe there
+        (what ``--resume`` reads)."""
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        run_dir = Path(run_dir or Path("runs") / f"{self.name}-{stamp}").resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.launch_log = current_launch_log().open(run_dir / "launch.log")
+        print(f"[launch] run folder: {run_dir}{' (resuming)' if self.resume else ''}", flush=True)
+        if not self.resume and (run_dir / "dataflow" / "dataflow.db").exists():
+            print(f"[launch] warning: {run_dir} already holds dataflow state, which the dataflow "
+                  f"continues; trainers start from scratch (use --resume {run_dir} to resume them "
+                  "from their checkpoints)", flush=True)
+        saved = run_dir / "recipe.yaml"
+        if recipe_path.resolve() != saved.resolve():
+            write_atomic(saved, yaml.safe_dump({"name": self.name, **recipe}, sort_keys=False))
+        return run_dir
+
+    def _prepared(self, recipe: dict) -> dict:
+        """The recipe with its placeholders filled, the initial model built by its prepare step
+        (which may itself use the other placeholders, e.g. a cache under ``{run_dir}``)."""
+        recipe = substitute(recipe, {"run_dir": self.run_dir, "seed": recipe.get("seed", 0),
+                                     "dataflow_url": self.url})
+        init_model = prepare_initial_model(recipe, self.run_dir)
+        return substitute(recipe, {"init_model": init_model})
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, comp: Component) -> str:
+        """Start (or restart) ``comp``; a trainer that resumes or restarts continues from its
+        last checkpoint. A note on where it starts from (empty for a service)."""
+        note = ""
+        if comp.kind == "trainer" and (self.resume or comp.lifetimes):
+            comp.extra_argv, note = _trainer_resume_args(comp, self.run_dir)
+        comp.start()
+        write_pids(self.run_dir, self.comps)
+        return note
+
+    def restart(self, comp: Component) -> None:
+        """The supervisor's restart: the dead process's log handle closed, started again, the
+        note kept on its restart event."""
+        comp.stop()
+        note = self.start(comp)
+        event = next((e for e in reversed(self.sup.events) if e.component == comp.name), None)
+        if event is not None and note:
+            event.detail = note
+
+    def on_event(self, event: RestartEvent) -> None:
+        """A crash seen or a restart done: ``pids.json`` and ``launch_state.json`` follow."""
+        if event.restarted_at is None:  # a crash just seen
+            write_pids(self.run_dir, self.comps)
+        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+
+    def start_components(self) -> None:
+        """The dataflow first, once it answers the others, in order."""
+        self.start(self.comps[0])
+        _wait_ready(self.url, self.comps[0], timeout_s=60)
+        print(f"[launch] dataflow ready at {self.url}", flush=True)
+        for comp in self.comps[1:]:
+            note = self.start(comp)
+            print(f"[launch] started {comp.name} (log: {comp.log_path})"
+                  f"{' ' + note if note and comp.kind == 'trainer' else ''}", flush=True)
+
+    def stop_components(self) -> None:
+        """Stop every component in reverse start order, each with its own signal (trainers
+        SIGINT, Lightning's graceful stop; services SIGTERM), and record the final state."""
+        for comp in reversed(self.comps):
+            timeout_s = 30.0
+            if comp.name == "autoscale":  # it drains its instances before it exits
+                settings = autoscale_settings(self.recipe["autoscale"])
+                timeout_s += settings["drain_timeout_s"] + settings["kill_after_s"]
+            comp.stop(comp.stop_signal, timeout_s=timeout_s)
+        write_pids(self.run_dir, self.comps)
+        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+
+    # ------------------------------------------------------------------ watching
+
+    def watch(self) -> None:
+        """Poll the run every second -- supervise, read the dataflow, print progress -- until a
+        stop condition is reached and its stop sequence has finished."""
+        recipe, stop = self.recipe, self.stop
+        # the dataflow's balance report, in contiguous windows of `balance.every` versions
+        pool_mode = AUTOSCALE if recipe.get("autoscale") is not None else FIXED
+        self.balance = BalanceLog(
+            self.run_dir, lambda n, last: _balance_report(self.url, self.model_id, n, last),
+            int((recipe.get("balance") or {}).get("every", 10)), pool_mode)
+        self.policies = list(recipe["dataflow"].get("model_ids", [self.model_id]))
+        # every stop evaluates the last version of each policy (none without an eval source)
+        self.eval_models = (self.policies if (recipe["dataflow"].get("eval") or {}).get("source")
+                            else [])
+        self.conditions, self.rate = StopConditions(stop, self.t_start), ProgressRate()
+        self.budget_end = self.t_start + stop["max_wall_s"] if stop["max_wall_s"] else None
+        last_print = 0.0
+        while True:
+            time.sleep(1.0)
+            now = time.time()
+            self.sup.poll(now)
+            version = self._poll(now)
+            if now - last_print >= float(stop["progress_every_s"]):
+                self._print_progress(now, version)
+                last_print = now
+            if self.sequence is None:
+                self._begin_stop_if_reached(now, version)
+            if self.sequence is not None and self.stats and self._stop_step(now):
+                return
+
+    def _poll(self, now: float) -> int:
+        """One read of the dataflow: stats (empty when it does not answer), recoveries, the
+        evaluation table, balance windows and the rate. The policy's current version."""
+        progress = self.progress
+        try:
+            self.stats = read_stats(self.url)
+            progress["stats_ok"] = True
+        except Exception:
+            self.stats = {}
+            progress["stats_ok"] = False
+        pol = policy_stats(self.stats, self.model_id)
+        progress["at"] = time.time()
+        if self.stats:
+            progress["version"] = int(pol.get("current_version") or 0)
+            progress["rollouts"] = int(pol.get("rollouts_generated") or 0)
+        _mark_recoveries(self.sup, self.comps, self.marks, progress)
+        self.evals = _eval_table(self.url, self.model_id) if self.stats else self.evals
+        version = int(pol.get("current_version") or 0)
+        if self.stats:
+            self.balance.poll(version)
+            self.rate.update(now, version)
+        return version
+
+    def _print_progress(self, now: float, version: int) -> None:
+        """The progress line (kept in launch.log only when quiet)."""
+        line = progress_line(now - self.t_start, self.target, self.stats, self.evals,
+                             self.model_id, self.rate.text(now, version, self.target,
+                                                           self.budget_end))
+        down = self.sup.down()
+        line += f" | restarting {sorted(down)}" if down else ""
+        sequence = self.sequence
+        line += f" | stopping ({sequence.reason}): {sequence.phase}" if sequence else ""
+        if self.quiet:
+            self.launch_log.note(line)
+        else:
+            print(line, flush=True)
+
+    def _begin_stop_if_reached(self, now: float, version: int) -> None:
+        """Start the stop sequence once a stop condition is reached."""
+        reason = self.conditions.reached(now, version, self.evals, self.sup.finished_trainers())
+        if reason is None:
+            return
+        self.stop_detail = self.conditions.describe(reason, version, self.evals)
+        print(f"[launch] stopping: {self.stop_detail}", flush=True)
+        self.sequence = StopSequence(
+            reason, now, [c for c in self.comps if c.kind == "trainer"], self.eval_models,
+            self.stop["final_eval_timeout_s"], request_eval=_eval_requester(self.url),
+            retire=lambda c: self.sup.retire(c.name),
+            force_stop=lambda c: c.stop(signal.SIGINT, timeout_s=30.0), log=_say)
+
+    def _stop_step(self, now: float) -> bool:
+        """One step of the stop sequence on this poll's versions and evaluations; True when it
+        has finished."""
+        versions_now = {m: int(policy_stats(self.stats, m).get("current_version") or 0)
+                        for m in self.eval_models}
+        tables = {m: self.evals if m == self.model_id else _eval_table(self.url, m)
+                  for m in self.eval_models}
+        return self.sequence.step(now, versions_now, tables)
+
+    # ------------------------------------------------------------------ the outcome
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary, from the last word of the dataflow, read while every component
+        still runs, and this launch's state added to the earlier launches'."""
+        url, model_id, sequence = self.url, self.model_id, self.sequence
+        try:
+            self.stats = read_stats(url)
+        except Exception:
+            pass  # keep the last poll's stats
+        evals = _eval_table(url, model_id) or self.evals
+        final_version = int(policy_stats(self.stats, model_id).get("current_version") or 0)
+        self.balance.finish(final_version)
+        per_version = _per_version_counters(url, model_id)
+        summary = build_summary(self.stats, evals, per_version, model_id, final_version)
+        summary["stop_reason"] = sequence.reason
+        summary["stop"] = {"reason": sequence.reason, "detail": self.stop_detail,
+                           "at_s": round(sequence.started_at - self.t_start, 1),
+                           "final_versions": sequence.final_versions,
+                           "final_eval_complete": sequence.eval_complete}
+        summary["balance"] = self.balance.last
+        summary["trainer_wait_fraction"] = trainer_wait_fraction(summary["counters"])
+        summary["wall_s_to_085"] = wall_s_to_accuracy(
+            Path(self.recipe["dataflow"].get("state_dir") or self.run_dir / "dataflow"), model_id,
+            evals, TIME_TO_ACCURACY)
+        state = _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+        summary["trainer_seconds"] = state["trainer_seconds"]
+        summary.update(restarts=state["restarts"], restart_events=state["restart_events"],
+                       resumes=state["resumes"])
+        if self.recipe.get("autoscale") is not None:
+            summary["pool"] = read_pool_history(self.run_dir / "autoscale.jsonl")
+        if len(self.policies) > 1:  # multi-policy: every policy's final evaluation, side by side
+            summary["policies"] = {m: final_eval(_eval_table(url, m)) for m in
+                                   [model_id] + [p for p in self.policies if p != model_id]}
+        summary.update(recipe=self.name, wall_s=round(time.time() - self.t_start, 1),
+                       run_dir=str(self.run_dir))
+        return summary
+
+    def check_outcome(self, summary: dict) -> None:
+        """Fail a run that timed out, or whose final evaluation did not complete."""
+        stop, run_dir = self.stop, self.run_dir
+        if summary["stop_reason"] == TIMEOUT:
+            raise RuntimeError(f"the run reached stop.timeout_s={stop['timeout_s']:g} at version "
+                               f"{summary['versions']} of {self.target}; its summary is in "
+                               f"{run_dir / 'summary.json'} (raise stop.timeout_s, or set "
+                               "stop.max_wall_s for a time budget that ends the run successfully)")
+        if ((self.recipe["dataflow"].get("eval") or {}).get("source")
+                and summary.get("eval_accuracy_end") is None):
+            final_version = summary["stop"]["final_versions"].get(self.model_id,
+                                                                  summary["versions"])
+            raise RuntimeError(f"the final evaluation of version {final_version} did not "
+                               "complete within "
+                               f"stop.final_eval_timeout_s={stop['final_eval_timeout_s']:g}; "
+                               f"see {run_dir / 'logs'}")
