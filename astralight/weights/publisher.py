@@ -16,6 +16,7 @@ is full (the builder's delta base may no longer be a published version).
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import os
@@ -101,7 +102,7 @@ class Job:
     metadata: dict | None = None  # merged into the manifest's metadata
 
 
-class Publisher:
+class Publisher(abc.ABC):
     """A worker thread that publishes the newest submitted snapshot, and the counters it keeps.
 
     Subclasses say how a job is published (:meth:`_handle`) and how a snapshot is held.
@@ -133,18 +134,18 @@ class Publisher:
 
     # ------------------------------------------------------------ what subclasses provide
 
+    @abc.abstractmethod
     def submit(self, version: int, step: int, state: dict[str, Tensor], started: float,
                metadata: dict | None = None) -> None:
         """Hand over the snapshot of ``version`` taken at ``step`` (begun at ``started``,
         a ``perf_counter``); replaces one still pending."""
-        raise NotImplementedError
 
     def prestart(self, state: dict[str, Tensor]) -> None:
         """Prepare for snapshots shaped like ``state`` before the first one (default: nothing)."""
 
+    @abc.abstractmethod
     def _handle(self, job: Job) -> dict | None:
         """Publish ``job``: its record, or None after reporting a failure with :meth:`_failed`."""
-        raise NotImplementedError
 
     def _forget_base(self, restart: bool) -> None:
         """Drop the delta base (the next version is full); ``restart``: also any worker state

@@ -81,6 +81,7 @@ import numpy as np
 
 from astralight.dataflow import auth
 from astralight.dataflow.auth import trainer_token
+from astralight.proc import stop_process
 from astralight.protocol import LOGPROB_FLOOR, MAX_VOCAB_SIZE, Sample, WeightManifest, encode
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -1353,11 +1354,7 @@ def _refusal_drill(proc, url: str, model_id: str, admin: dict, n: int,
                 counts["accepted_bad"] += len(state_changes(
                     before, state_of(http.get("/v1/stats", headers=admin).json(), model_id)))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     return counts
 
 
@@ -1514,11 +1511,7 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
             per_cat["token_start"] = starts
             accepted_bad += starts["accepted_bad"]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
     return {
         "requests": sent, "status_5xx": status_5xx, "crashes": crashes,
         "accepted_bad": accepted_bad, "no_answer": no_answer,
