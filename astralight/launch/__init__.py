@@ -10,9 +10,9 @@ checkpoints and the dataflow's SQLite state.
 Reading the recipe -- its placeholders (``{run_dir}``, ``{dataflow_url}``, ``{init_model}``,
 ``{seed}``), ``extends`` inheritance (lists replace; a mapping over a list merges the entries it
 picks by index or model_id), ``pythonpath`` and the typed schema of its keys -- is
-:mod:`astralight.recipe` (schema: :mod:`astralight.recipe_schema`). Before anything starts, the
+:mod:`astralight.launch.recipe` (schema: :mod:`astralight.launch.recipe_schema`). Before anything starts, the
 launcher checks every component config and every local model and data path
-(:mod:`astralight.check`; alone: ``astralight run --check RECIPE``).
+(:mod:`astralight.launch.check`; alone: ``astralight run --check RECIPE``).
 
 Tokens: the components inherit the launcher's environment. With scoped tokens set
 (``ASTRALIGHT_ROLLOUT_TOKEN``, ``ASTRALIGHT_TRAINER_TOKEN``, ``ASTRALIGHT_ADMIN_TOKEN``, or their
@@ -26,17 +26,17 @@ Every ``balance.every`` versions (default 10) the dataflow's balance report (tra
 fraction, produced / accepted / consumed, the pool decision) is appended to the run folder, a
 readable line to ``balance.txt`` and the report to ``balance.jsonl``, in windows that neither skip
 nor repeat a version, the last (partial) one at the end of the run; with a fixed pool the decision
-is marked advice only (:mod:`astralight.run_balance`). The last one is in the summary.
+is marked advice only (:mod:`astralight.launch.balance`). The last one is in the summary.
 
-Stopping (:mod:`astralight.run_stop`): at ``stop.versions`` (derived from the trainer's
+Stopping (:mod:`astralight.launch.stop`): at ``stop.versions`` (derived from the trainer's
 ``max_steps`` when not set), ``stop.max_wall_s``, ``stop.target_accuracy`` or ``stop.timeout_s``,
 every stop goes the same way: trainers still running get SIGTERM (they save their last checkpoint
 and publish their last version), the last version of each policy is evaluated whatever
 ``eval.every`` says, and the summary is written with ``stop_reason``; a timeout then fails the run.
 
-Output: progress lines with a rate and an ETA (:mod:`astralight.run_progress`), everything the
-launcher prints also in ``RUN/launch.log`` (:mod:`astralight.launch_log`), the full record in
-``RUN/summary.json`` and one short JSON line printed last (:mod:`astralight.run_summary`).
+Output: progress lines with a rate and an ETA (:mod:`astralight.launch.progress`), everything the
+launcher prints also in ``RUN/launch.log`` (:mod:`astralight.launch.log`), the full record in
+``RUN/summary.json`` and one short JSON line printed last (:mod:`astralight.launch.summary`).
 
 Elastic pool: with ``autoscale: {min_instances, max_instances, initial, cooldown_s, every, ...}``
 the launcher starts ``astralight autoscale`` (local processes, the recipe's ``raas[0]`` as every
@@ -103,7 +103,7 @@ from astralight.launch.export import (
 from astralight.launch.monitor import _per_version_counters
 from astralight.launch.runner import prepare_initial_model, run
 from astralight.launch.state import LAUNCH_STATE, checkpoint_dirs, last_checkpoint, write_atomic
-from astralight.recipe import RecipeError, load_recipe
+from astralight.launch.recipe import RecipeError, load_recipe
 
 __all__ = ["Component", "EXPORT_PORT", "LAUNCH_STATE", "RecipeError", "autoscale_argv",
            "build_components", "checkpoint_dirs", "component_configs", "export_configs",
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.check:
-            from astralight.check import check_recipe
+            from astralight.launch.check import check_recipe
 
             folder = args.resume or args.run_dir
             recipe_path = (Path(args.recipe) if args.recipe else

@@ -23,7 +23,7 @@ import yaml
 
 from astralight.launch.state import write_atomic
 from astralight.proc import spawn
-from astralight.recipe import RecipeError, autoscale_settings, with_pythonpath
+from astralight.launch.recipe import RecipeError, autoscale_settings, with_pythonpath
 
 
 def _default_recipe() -> Path:

@@ -7,7 +7,7 @@ import importlib
 from pathlib import Path
 
 from astralight.launch.components import _write_yaml, component_configs
-from astralight.recipe import load_recipe, substitute
+from astralight.launch.recipe import load_recipe, substitute
 
 
 #: the dataflow's port in exported configs when the recipe sets none (a run picks a free one;

@@ -73,7 +73,7 @@ def _per_version_counters(url: str, model_id: str) -> dict | None:
 
 def _balance_report(url: str, model_id: str, window: int, last: int) -> dict | None:
     """The dataflow's balance report over the ``window`` versions up to ``last``
-    (:class:`astralight.run_balance.BalanceLog` writes it); None when the route is unavailable
+    (:class:`astralight.launch.balance.BalanceLog` writes it); None when the route is unavailable
     (the run goes on)."""
     try:
         with dataflow_client(url) as client:

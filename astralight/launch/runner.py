@@ -42,8 +42,8 @@ from astralight.launch.state import (
     _trainer_resume_args,
     write_atomic,
 )
-from astralight.launch_log import current_launch_log, kept_in_launch_log
-from astralight.recipe import (
+from astralight.launch.log import current_launch_log, kept_in_launch_log
+from astralight.launch.recipe import (
     RecipeError,
     autoscale_settings,
     load_recipe,
@@ -51,11 +51,11 @@ from astralight.recipe import (
     supervise_settings_checked,
     use_pythonpath,
 )
-from astralight.run_balance import AUTOSCALE, FIXED, BalanceLog
-from astralight.run_progress import ProgressRate, progress_line
-from astralight.run_stop import (TIMEOUT, StopConditions, StopError, StopSequence,
+from astralight.launch.balance import AUTOSCALE, FIXED, BalanceLog
+from astralight.launch.progress import ProgressRate, progress_line
+from astralight.launch.stop import (TIMEOUT, StopConditions, StopError, StopSequence,
                                  resolve_versions, stop_settings)
-from astralight.run_summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
+from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
                                     wall_s_to_accuracy, write_summary)
 from astralight.supervise import GiveUp, RestartEvent, Supervisor
@@ -80,7 +80,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     checkpoint -- and the run fails only when one crashes more than ``max_restarts`` times.
 
     ``check``: before anything starts (no run folder, no prepare step), every component config
-    and local path is checked as ``astralight run --check`` does (:mod:`astralight.check`);
+    and local path is checked as ``astralight run --check`` does (:mod:`astralight.launch.check`);
     without it only the recipe's own keys are. The recipe's ``pythonpath`` goes on this process's
     ``sys.path`` (for the prepare function) and on every component's ``PYTHONPATH``.
     """
@@ -141,7 +141,7 @@ def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool) -> tuple[
     settings = supervise_settings_checked(recipe.get("supervise"))
     use_pythonpath(recipe)
     if check:
-        from astralight.check import check_recipe
+        from astralight.launch.check import check_recipe
 
         checked = check_recipe(recipe_path, recipe, run_dir)
         print(f"[launch] {checked.line()}", flush=True)

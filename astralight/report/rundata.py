@@ -200,7 +200,7 @@ def _read_summary(data: RunData) -> None:
 def read_balance(path: Path) -> list[dict]:
     """The JSON reports of ``balance.jsonl``, or of an older run's ``balance.txt`` (which mixed
     readable lines, skipped here, with the JSON)."""
-    from astralight.run_balance import read_jsonl
+    from astralight.launch.balance import read_jsonl
 
     return read_jsonl(path)  # an old balance.txt's readable lines do not parse: skipped
 

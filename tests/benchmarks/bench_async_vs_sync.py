@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: make the tests package importable
     sys.path.insert(0, str(REPO))
 
-from astralight.recipe import load_recipe  # noqa: E402
+from astralight.launch.recipe import load_recipe  # noqa: E402
 from tests.benchmarks.bench_data_algorithms import log, prepare_shared_model, run_variant  # noqa: E402
 RECIPE = REPO / "examples" / "multi_agent" / "recipe.yaml"
 

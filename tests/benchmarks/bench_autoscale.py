@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: make the tests package importable
     sys.path.insert(0, str(REPO))
 
-from astralight.recipe import load_recipe  # noqa: E402
+from astralight.launch.recipe import load_recipe  # noqa: E402
 from tests.benchmarks.bench_async_vs_sync import publish_times, seconds_per_version  # noqa: E402
 from tests.benchmarks.bench_data_algorithms import (_fmt, eval_every_for, log,  # noqa: E402
                                                     prepare_shared_model, run_variant)

@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ALGORITHMS_DIR = REPO / "configs" / "toy" / "algorithms"
@@ -238,7 +238,7 @@ def log(msg: str) -> None:
 def prepare_shared_model(recipe_path: Path, run_root: Path) -> Path | None:
     """Build the recipe's initial policy once (every variant shares the parent's prepare step)."""
     from astralight.launch import prepare_initial_model
-    from astralight.recipe import substitute
+    from astralight.launch.recipe import substitute
 
     recipe = load_recipe(recipe_path)
     if not recipe.get("prepare"):

@@ -43,7 +43,7 @@ import pytest
 import yaml
 
 from astralight.dataflow.audit import audit
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

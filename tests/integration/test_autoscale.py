@@ -191,7 +191,7 @@ def test_launcher_runs_an_autoscaled_recipe(tmp_path):
     import sys
     from pathlib import Path
 
-    from astralight.recipe import load_recipe
+    from astralight.launch.recipe import load_recipe
 
     base_path = Path(__file__).resolve().parents[2] / "configs" / "toy" / "autoscale.yaml"
     trainers = copy.deepcopy(load_recipe(base_path)["trainers"])

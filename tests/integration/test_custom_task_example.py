@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from astralight.launch import build_components, export_configs
-from astralight.recipe import load_recipe, with_pythonpath
+from astralight.launch.recipe import load_recipe, with_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_task"

@@ -15,7 +15,7 @@ import httpx
 import yaml
 
 from astralight.launch import build_components
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

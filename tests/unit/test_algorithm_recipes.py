@@ -9,7 +9,7 @@ import pytest
 
 from astralight.dataflow.config import DataflowConfig, build_plugins
 from astralight.launch import _default_recipe
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 
 ALGORITHMS = Path(__file__).resolve().parents[2] / "configs" / "toy" / "algorithms"
 NAMES = ["vanilla", "dynamic_sampling", "ds_replay", "ds_replay_greso"]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from astralight.launch import build_components
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 from tests.benchmarks import bench_autoscale as bench
 
 

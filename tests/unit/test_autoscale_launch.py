@@ -11,8 +11,8 @@ import yaml
 
 from astralight.autoscale.service import build_parser, check_args
 from astralight.launch import build_components
-from astralight.recipe import RecipeError, autoscale_settings, load_recipe
-from astralight.run_summary import read_pool_history, rollout_capacity_seconds
+from astralight.launch.recipe import RecipeError, autoscale_settings, load_recipe
+from astralight.launch.summary import read_pool_history, rollout_capacity_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "toy" / "autoscale.yaml"

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 from tests.benchmarks import bench_data_algorithms as bench
 
 

@@ -17,7 +17,7 @@ from astralight.dataflow import evals
 from astralight.dataflow.config import instantiate_plugin
 from astralight.dataflow.config import parse_config as parse_dataflow_config
 from astralight.launch import export_configs
-from astralight.recipe import load_recipe, use_pythonpath
+from astralight.launch.recipe import load_recipe, use_pythonpath
 from astralight.tasks.base import PromptSource
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -242,7 +242,7 @@ def test_rloo_uses_the_batch_groups_and_trains_under_fit(tiny_model_dir, tmp_pat
 
 
 def test_example_recipe_is_the_toy_recipe_with_the_reinforce_trainer():
-    from astralight.recipe import load_recipe
+    from astralight.launch.recipe import load_recipe
 
     recipe = load_recipe(EXAMPLE / "recipe.yaml")
     toy = load_recipe(REPO / "examples" / "toy" / "recipe.yaml")

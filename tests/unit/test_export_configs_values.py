@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from astralight.launch import EXPORT_PORT, export_configs, main, prepared_vocab_size
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "examples" / "toy" / "recipe.yaml"

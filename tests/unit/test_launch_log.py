@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from astralight.launch_log import LaunchLog, current_launch_log, kept_in_launch_log
+from astralight.launch.log import LaunchLog, current_launch_log, kept_in_launch_log
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
 

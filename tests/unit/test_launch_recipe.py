@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from astralight.launch import _default_recipe
-from astralight.recipe import RecipeError, load_recipe, substitute
-from astralight.run_stop import resolve_versions
+from astralight.launch.recipe import RecipeError, load_recipe, substitute
+from astralight.launch.stop import resolve_versions
 
 
 def write(tmp_path, recipe):
@@ -95,7 +95,7 @@ def test_exported_trainer_config_parses_with_lightning_cli(tmp_path):
 
 
 def test_deep_merge_merges_mappings_and_replaces_everything_else():
-    from astralight.recipe import deep_merge
+    from astralight.launch.recipe import deep_merge
 
     parent = {"a": {"x": 1, "y": {"p": 1, "q": 2}}, "l": [1, 2, 3], "s": "old", "keep": True}
     child = {"a": {"y": {"q": 20, "r": 30}, "z": 3}, "l": [9], "s": {"now": "a mapping"}}
@@ -181,7 +181,7 @@ def test_export_configs_of_an_extending_recipe(tmp_path):
 
 
 def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
-    from astralight.run_summary import build_summary
+    from astralight.launch.summary import build_summary
 
     pol = {"current_version": 4, "samples_acked": 64, "samples_trained": 96,
            "rollouts_generated": 160, "groups_filtered": 3}
@@ -202,7 +202,7 @@ def test_summary_reports_rollouts_trained_counters_plugins_and_per_version():
 
 def test_summary_keeps_pass_at_k_and_benchmark_tables():
     """summary.json carries what a report without the dataflow DB needs for its eval tables."""
-    from astralight.run_summary import build_summary
+    from astralight.launch.summary import build_summary
 
     row = {"complete": True, "avg_at_k": 0.5, "pass_at_k": 0.75, "k": 4, "n": 8,
            "pass_at": {"1": 0.5, "4": 0.75}, "benchmark_average": 0.5,
@@ -213,7 +213,7 @@ def test_summary_keeps_pass_at_k_and_benchmark_tables():
 
 
 def test_summary_when_the_final_eval_or_counters_are_missing():
-    from astralight.run_summary import build_summary
+    from astralight.launch.summary import build_summary
 
     out = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.25}}, None, "policy", 4)
     assert out["eval_accuracy_end"] is None and out["per_version"] is None
@@ -266,7 +266,7 @@ def test_per_version_counters_reads_the_route():
 def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
     import sqlite3
 
-    from astralight.run_summary import trainer_wait_fraction, wall_s_to_accuracy
+    from astralight.launch.summary import trainer_wait_fraction, wall_s_to_accuracy
 
     assert trainer_wait_fraction({"trainer_wait_ms": 30, "trainer_step_ms": 120}) == 0.25
     assert trainer_wait_fraction({}) is None
@@ -286,7 +286,7 @@ def test_summary_wait_fraction_and_wall_time_to_accuracy(tmp_path):
 
 
 def test_summary_has_the_tool_call_rate_of_a_tool_workflow_only():
-    from astralight.run_summary import build_summary, final_eval
+    from astralight.launch.summary import build_summary, final_eval
 
     evals = {0: {"complete": True, "avg_at_k": 0.17, "tool_call_rate": 0.3},
              60: {"complete": True, "avg_at_k": 0.58, "tool_call_rate": 0.97}}

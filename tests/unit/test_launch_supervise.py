@@ -17,7 +17,7 @@ from astralight.launch import (
     write_atomic,
     write_pids,
 )
-from astralight.recipe import RecipeError, supervise_settings_checked
+from astralight.launch.recipe import RecipeError, supervise_settings_checked
 from astralight.supervise import (
     SUPERVISE_DEFAULTS,
     GiveUp,

@@ -11,7 +11,7 @@ import pytest
 from astralight.dataflow.config import DataflowConfig, build_plugins
 from astralight.launch import component_configs
 from astralight.raas.config import build_parser
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 from astralight.workflows.latency import LongTailLatency
 from astralight.workflows.solver_verifier import SolverVerifier
 from tests.benchmarks.bench_async_vs_sync import mode_recipe, seconds_per_version

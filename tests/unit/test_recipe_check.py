@@ -1,4 +1,4 @@
-"""``astralight run --check`` (astralight.check): every component config is parsed by its own
+"""``astralight run --check`` (astralight.launch.check): every component config is parsed by its own
 parser, every local path is checked, and every problem names the recipe key; nothing starts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astralight.check import check_recipe, explain, trainer_arguments
-from astralight.recipe import RecipeError
+from astralight.launch.check import check_recipe, explain, trainer_arguments
+from astralight.launch.recipe import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "examples" / "toy" / "recipe.yaml"

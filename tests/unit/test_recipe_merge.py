@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astralight.recipe import RecipeError, deep_merge, entry_id, load_recipe, read_recipe_file
+from astralight.launch.recipe import RecipeError, deep_merge, entry_id, load_recipe, read_recipe_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "examples" / "toy" / "recipe.yaml"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from astralight.launch import build_components, prepare_initial_model
-from astralight.recipe import (
+from astralight.launch.recipe import (
     RecipeError,
     load_recipe,
     resolve_recipe,

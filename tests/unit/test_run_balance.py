@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from astralight.report.rundata import read_balance
-from astralight.run_balance import AUTOSCALE, FIXED, BalanceLog, window_line
+from astralight.launch.balance import AUTOSCALE, FIXED, BalanceLog, window_line
 
 
 def fake_fetch(calls):

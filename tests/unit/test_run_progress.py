@@ -3,7 +3,7 @@ publication seen) and an ETA (to stop.versions, or the stop.max_wall_s budget if
 
 from __future__ import annotations
 
-from astralight.run_progress import ProgressRate, duration, progress_line
+from astralight.launch.progress import ProgressRate, duration, progress_line
 
 
 def test_duration():

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from astralight.run_stop import (MAX_WALL, TARGET_ACCURACY, TIMEOUT, TRAINER_GRACE_S,
+from astralight.launch.stop import (MAX_WALL, TARGET_ACCURACY, TIMEOUT, TRAINER_GRACE_S,
                                  TRAINERS_FINISHED, VERSIONS, StopConditions, StopError,
                                  StopSequence, resolve_versions, stop_settings)
 
@@ -213,7 +213,7 @@ def test_the_launcher_refuses_a_contradiction_before_anything_starts(tmp_path):
     import yaml
 
     from astralight.launch import _default_recipe, run
-    from astralight.recipe import RecipeError
+    from astralight.launch.recipe import RecipeError
 
     toy = yaml.safe_load(_default_recipe().read_text())
     toy["trainers"][0]["trainer"]["max_steps"] = toy["stop"]["versions"] + 10

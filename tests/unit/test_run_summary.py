@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from astralight.run_summary import build_summary, short_line, short_summary, write_summary
+from astralight.launch.summary import build_summary, short_line, short_summary, write_summary
 
 
 def full_summary(tmp_path) -> dict:

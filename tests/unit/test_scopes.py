@@ -492,7 +492,7 @@ def test_a_bound_trainer_token_can_be_printed_for_a_trainer_started_by_hand(monk
 
 def test_the_launcher_hands_each_component_its_token(tmp_path, monkeypatch):
     from astralight.launch import Component, build_components
-    from astralight.recipe import RecipeError
+    from astralight.launch.recipe import RecipeError
 
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)

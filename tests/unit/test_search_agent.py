@@ -333,7 +333,7 @@ def test_the_cpu_recipe_builds_and_matches_its_warm_start(tmp_path):
     (with the search tool over the corpus the prepare step writes) build; the warm start
     scripts the tool settings and system prompt the workflow uses."""
     from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
-    from astralight.recipe import load_recipe, substitute
+    from astralight.launch.recipe import load_recipe, substitute
     from astralight.raas.config import build_parser
     from astralight.tasks.base import PromptSource
     from astralight.tasks.search_warmstart import SEARCH_SYSTEM_PROMPT

@@ -87,7 +87,7 @@ def test_a_recipe_can_name_it_as_its_prepare_step(tmp_path):
     before it is built (for exported configs)."""
     import yaml
 
-    from astralight.check import check_recipe
+    from astralight.launch.check import check_recipe
 
     pairs = data(tmp_path)
     toy = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "toy" /

@@ -6,7 +6,7 @@
 - ``raas*.yaml``: ``raas.config.parse_config`` (builds the workflow and its reward, not engines);
 - ``trainer*.yaml``: ``astralight fit --config F --print_config`` (LightningCLI parses the trainer,
   strategy, callbacks, module and datamodule; nothing is instantiated);
-- anything else is a recipe: ``astralight.recipe.load_recipe``.
+- anything else is a recipe: ``astralight.launch.recipe.load_recipe``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_trainer_config(path):
 @pytest.mark.parametrize("path", [p for p in CONFIGS if _kind(p) == "recipe"],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_recipe(path):
-    from astralight.recipe import load_recipe
+    from astralight.launch.recipe import load_recipe
 
     recipe = load_recipe(path)
     assert recipe["stop"]["versions"] > 0 and recipe["trainers"]

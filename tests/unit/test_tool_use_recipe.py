@@ -9,7 +9,7 @@ from pathlib import Path
 from astralight.agents.tools import Tool
 from astralight.agents.toy_tools import add
 from astralight.dataflow.config import DataflowConfig, build_plugins
-from astralight.recipe import load_recipe
+from astralight.launch.recipe import load_recipe
 from astralight.raas.config import build_parser
 from astralight.tasks.chat_warmstart import transcript_of
 from astralight.tasks.tool_warmstart import TOOL_SYSTEM_PROMPT, tool_conversations

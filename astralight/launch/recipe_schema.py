@@ -4,14 +4,14 @@ Why dataclasses: jsonargparse (already the components' config parser) validates 
 dataclass -- every key known, every value of its type -- so the recipe is checked by the same
 machinery as the dataflow, RaaS and trainer configs, not by a second, hand-written config language.
 The component sections (``dataflow``, each ``raas`` entry, each ``trainers`` entry) are plain
-mappings here: their own parsers check them (``astralight run --check``, :mod:`astralight.check`).
+mappings here: their own parsers check them (``astralight run --check``, :mod:`astralight.launch.check`).
 
 :func:`validate_recipe` refuses an unknown key naming it and the closest valid one
 (``recipe.supervize: unknown key; did you mean 'supervise'?``), a missing required section, and a
 value of the wrong type naming its key and what is expected (``recipe.stop.timeout_s: ...
 expected: seconds, a number > 0 such as 900``). Range and cross-field rules (autoscale bounds,
 supervise backoff, ``stop.versions`` a multiple of ``dataflow.eval.every``) stay with the code
-that applies them (:mod:`astralight.recipe`, :mod:`astralight.supervise`).
+that applies them (:mod:`astralight.launch.recipe`, :mod:`astralight.supervise`).
 
 Every key the launcher reads is declared here; adding one to the launcher means adding it here
 (``tests/unit/test_recipe_schema.py`` loads every shipped recipe).
@@ -45,7 +45,7 @@ def _component(text: str) -> dict:
     """A component's own config: only its shape (a mapping, a list of mappings) is checked
     here. jsonargparse would resolve the ``class_path`` entries inside it, importing the
     trainer's classes (Lightning: seconds); the component's parser checks them
-    (:mod:`astralight.check`)."""
+    (:mod:`astralight.launch.check`)."""
     return {"help": text, "component": True}
 
 

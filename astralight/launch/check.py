@@ -5,8 +5,8 @@ vLLM had started (a trainer typo such as ``max_step:`` was found by the trainer,
 :func:`check_recipe` parses every component config with the component's own parser, the way the
 component will, without starting or building anything heavy:
 
-- the recipe itself: keys and types (:func:`astralight.recipe.load_recipe`), ``stop.versions``
-  against the trainers' ``max_steps`` (:func:`astralight.run_stop.resolve_versions`), its
+- the recipe itself: keys and types (:func:`astralight.launch.recipe.load_recipe`), ``stop.versions``
+  against the trainers' ``max_steps`` (:func:`astralight.launch.stop.resolve_versions`), its
   ``pythonpath`` folders, the ``prepare`` function (importable; its ``kwargs`` are arguments it
   takes);
 - the dataflow: :func:`astralight.dataflow.config.parse_config` (every field), its data plugins
@@ -32,7 +32,7 @@ is no local folder is taken for a Hugging Face hub id and noted.
 
 Every component config a component reads is checked here, each component kind with the
 ``PYTHONPATH`` it will have (the recipe's ``pythonpath`` and ``env.<kind>.PYTHONPATH``). A problem
-raises :class:`~astralight.recipe.RecipeError` naming the recipe key (``recipe.trainers[0].
+raises :class:`~astralight.launch.recipe.RecipeError` naming the recipe key (``recipe.trainers[0].
 trainer.max_step``) and the fix; ``astralight run`` runs the same check before it starts anything
 (``--no-check`` skips the component part).
 """
@@ -54,7 +54,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from astralight.recipe import RecipeError, load_recipe, recipe_pythonpath, substitute, use_pythonpath
+from astralight.launch.recipe import RecipeError, load_recipe, recipe_pythonpath, substitute, use_pythonpath
 
 #: config keys whose values are local inputs (a model folder, a data file or folder) that must
 #: exist before the run starts; outputs (``state_dir``, ``dirpath``, ``default_root_dir``,
@@ -483,7 +483,7 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     the ``prepare`` step and the paths only (no component parser is imported).
     """
     from astralight.launch import _free_port, build_components, component_configs
-    from astralight.run_stop import StopError, resolve_versions
+    from astralight.launch.stop import StopError, resolve_versions
 
     t0 = time.monotonic()
     recipe_path = Path(recipe_path)

@@ -27,7 +27,7 @@ one setting makes a module importable everywhere.
 Placeholders (:func:`substitute`), filled by the launcher in every string value: ``{run_dir}``,
 ``{dataflow_url}``, ``{init_model}`` (what the ``prepare`` step built), ``{seed}``.
 
-Keys and types: :mod:`astralight.recipe_schema` (dataclasses, checked with jsonargparse).
+Keys and types: :mod:`astralight.launch.recipe_schema` (dataclasses, checked with jsonargparse).
 """
 
 from __future__ import annotations
@@ -182,15 +182,15 @@ def load_recipe(path: Path) -> dict:
     """Read and check a recipe (its ``extends`` chain merged); every problem names its key.
 
     Checked here, in milliseconds and importing no component: every key and type
-    (:func:`astralight.recipe_schema.validate_recipe`), ``supervise`` and ``autoscale``.
+    (:func:`astralight.launch.recipe_schema.validate_recipe`), ``supervise`` and ``autoscale``.
     ``stop.versions`` need not be a multiple of ``dataflow.eval.every``: every stop evaluates
-    the last version (:mod:`astralight.run_stop`). ``stop.versions`` may be left to be derived from the trainer's
-    ``max_steps`` (:func:`astralight.run_stop.resolve_versions`, which the launcher and
-    :func:`astralight.check.check_recipe` apply); the recipe is returned as written. The
-    component configs themselves are checked by :func:`astralight.check.check_recipe`
+    the last version (:mod:`astralight.launch.stop`). ``stop.versions`` may be left to be derived from the trainer's
+    ``max_steps`` (:func:`astralight.launch.stop.resolve_versions`, which the launcher and
+    :func:`astralight.launch.check.check_recipe` apply); the recipe is returned as written. The
+    component configs themselves are checked by :func:`astralight.launch.check.check_recipe`
     (``astralight run --check``).
     """
-    from astralight.recipe_schema import SchemaError, validate_recipe
+    from astralight.launch.recipe_schema import SchemaError, validate_recipe
 
     recipe = resolve_recipe(Path(path))
     try:
@@ -211,13 +211,13 @@ def load_recipe(path: Path) -> dict:
 
 
 def _autoscale_defaults() -> dict:
-    from astralight.recipe_schema import AutoscaleSection
+    from astralight.launch.recipe_schema import AutoscaleSection
 
     return {f.name: f.default for f in dataclasses.fields(AutoscaleSection)}
 
 
 #: recipe.autoscale keys and their defaults (the autoscaler's flags, see astralight.autoscale;
-#: declared in :class:`astralight.recipe_schema.AutoscaleSection`)
+#: declared in :class:`astralight.launch.recipe_schema.AutoscaleSection`)
 AUTOSCALE_DEFAULTS = _autoscale_defaults()
 
 

@@ -8,7 +8,7 @@ is the versions left at that rate, or the ``stop.max_wall_s`` budget left when t
 
 from __future__ import annotations
 
-from astralight.run_summary import policy_stats
+from astralight.launch.summary import policy_stats
 
 
 def duration(seconds: float) -> str:
