@@ -1,0 +1,73 @@
+"""The OpenAI endpoint's front door: an ASGI middleware that lets through only loopback,
+non-browser requests carrying the process's bearer token (astralight/ARCHITECTURE.md rule 4).
+
+The token is compared in constant time over SHA-256 digests (:func:`bearer_digest`), so neither
+its length nor a matching prefix shows in the response time. A request with an ``Origin`` header
+or a ``Host`` other than a loopback name is refused even with the right token: a web page the
+user visits cannot drive the endpoint through their browser (DNS rebinding included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any, Callable
+
+from astralight.raas.openai_requests import RequestError
+
+__all__ = ["LOOPBACK_HOSTS", "bearer_digest", "LoopbackGuard"]
+
+#: the only host names the endpoint binds to and accepts in a ``Host`` header
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def bearer_digest(token: str) -> bytes:
+    """SHA-256 of the ``Authorization`` header value that carries ``token``."""
+    return hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+
+class LoopbackGuard:
+    """ASGI middleware around the whole app: bearer token (constant time), no browser
+    requests (Origin header, non-loopback Host), counted. Lifespan events pass.
+
+    Args:
+        app: the ASGI app it guards.
+        expected: :func:`bearer_digest` of the token requests must carry.
+        count: called with ``"requests"`` for every HTTP request, ``"auth_failures"`` for a
+            missing or wrong token and ``"refused"`` for every request it turns away.
+    """
+
+    def __init__(self, app: Any, expected: bytes, count: Callable[[str], None]):
+        self.app, self.expected, self.count = app, expected, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        self.count("requests")
+        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        got = hashlib.sha256(auth[0] if len(auth) == 1 else b"").digest()
+        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0].strip("[]")
+        refusal = None
+        if not hmac.compare_digest(got, self.expected):
+            self.count("auth_failures")
+            refusal = RequestError(401, "authorization", "authorization: missing or wrong "
+                                   "bearer token; pass the api_key the agent was given",
+                                   "invalid_api_key", "authentication_error")
+        elif b"origin" in headers or host not in LOOPBACK_HOSTS:
+            refusal = RequestError(403, "origin", "origin: browser or non-loopback requests are "
+                                   "refused", "forbidden", "permission_error")
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        self.count("refused")
+        body = json.dumps(refusal.body()).encode()
+        await send({"type": "http.response.start", "status": refusal.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

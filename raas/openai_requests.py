@@ -1,0 +1,262 @@
+"""What the OpenAI endpoint accepts: the request body, read with a size cap and validated field by
+field into a :class:`ChatRequest` (:func:`parse_request`), and :class:`RequestError`, the refusal
+in OpenAI's error layout that every route answers with.
+
+Anything the endpoint cannot honour exactly (``n > 1``, streaming, penalties, logit bias,
+``response_format`` other than text, top log-probs, images...) is a 400 naming the field, never
+silently ignored: the trainer corrects for the behaviour log-probs of what was sampled, so a
+request option that changed the sampling without being recorded would bias training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RequestError", "ChatRequest", "parse_request", "read_json", "bad_request",
+           "MAX_BODY_BYTES", "MAX_MESSAGES", "MAX_TOOLS", "MAX_STOP", "ROLES", "KNOWN_FIELDS",
+           "IGNORED_FIELDS"]
+
+#: most bytes of one request body (a long conversation with tool results fits many times over)
+MAX_BODY_BYTES = 8 << 20
+#: most messages / tools in one request
+MAX_MESSAGES = 4096
+MAX_TOOLS = 256
+#: OpenAI accepts at most four stop sequences
+MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: request fields that change nothing here (metadata for OpenAI's own bookkeeping)
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier",
+                            "stream_options", "prediction"})
+KNOWN_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p",
+                          "max_tokens", "max_completion_tokens", "stop", "n", "stream", "seed",
+                          "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
+                          "logit_bias", "response_format"}) | IGNORED_FIELDS
+
+
+class RequestError(Exception):
+    """A refused request: HTTP ``status``, the offending field ``param`` and OpenAI's ``code``."""
+
+    def __init__(self, status: int, param: str | None, message: str, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.message = status, param, message
+        self.code, self.kind = code, kind
+
+    def body(self) -> dict:
+        """OpenAI's error layout (what ``openai`` turns into ``BadRequestError`` & co.)."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(param: str, message: str, code: str | None = None) -> RequestError:
+    """A 400 naming ``param`` (its message starts with the field's name)."""
+    return RequestError(400, param, f"{param}: {message}", code)
+
+
+@dataclass
+class ChatRequest:
+    """A validated ``/chat/completions`` body, in the terms the engine needs. ``None`` fields
+    were not given (the episode's sampling defaults apply)."""
+
+    model: str
+    messages: list[dict]
+    tools: list[dict] = field(default_factory=list)
+    use_tools: bool = True  # tool_choice "none": tools are neither announced nor parsed
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+
+
+def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    try:
+        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise bad_request(name, f"must be a finite number, got {str(v)[:40]}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise bad_request(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise bad_request(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _text_content(content: Any, where: str, allow_none: bool) -> str | None:
+    """A message's content as text: a string, or a list of ``{"type": "text", "text"}`` parts
+    (joined); images and audio are refused (the policy reads text only)."""
+    if content is None:
+        if allow_none:
+            return None
+        raise bad_request(where, "is required for this role")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise bad_request(f"{where}[{j}]", "only {\"type\": \"text\", \"text\": ...} "
+                                  "parts are supported (the policy reads text)")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(where, "must be a string or a list of text parts, got "
+                      f"{type(content).__name__}")
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad_request(where, "must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(w, 'expected {"type": "function", "function": {"name", "arguments"}}')
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise bad_request(f"{w}.function.arguments", "must be a JSON string")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages", "must be a non-empty list of messages")
+    if len(value) > MAX_MESSAGES:
+        raise bad_request("messages", f"at most {MAX_MESSAGES} messages, got {len(value)}")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(where, "must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role", f"must be one of {list(ROLES)}, got {role!r}")
+        msg: dict = {"role": "system" if role == "developer" else role}
+        has_calls = role == "assistant" and m.get("tool_calls")
+        msg["content"] = _text_content(m.get("content"), f"{where}.content",
+                                       allow_none=role == "assistant")
+        if has_calls:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            if msg["content"] is None:  # templates test '</think>' in content: give them text
+                msg["content"] = ""
+        elif msg["content"] is None:
+            raise bad_request(f"{where}.content",
+                              "an assistant message needs content or tool_calls")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request(f"{where}.{key}", "must be a string")
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _tools(value: Any) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise bad_request("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    out = []
+    for i, t in enumerate(value):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(
+                fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}]", 'expected {"type": "function", "function": {"name", '
+                              '"description", "parameters"}}')
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        out.append({"type": "function", "function": dict(fn)})
+    return out
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Validate a chat completions body; RequestError (400, naming the field) for anything the
+    endpoint cannot honour exactly."""
+    if not isinstance(body, dict):
+        raise bad_request("body", "must be a JSON object")
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise bad_request(unknown[0],
+                          f"unknown field (this endpoint supports {sorted(KNOWN_FIELDS)})")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", "is required: the policy's model id (GET .../models lists it)")
+    n = _integer(body, "n", 1, 1 << 30)
+    if n not in (None, 1):
+        raise bad_request("n", f"only n=1 is supported (each call is one recorded completion), "
+                          f"got {n}; call once per completion")
+    if body.get("stream"):
+        raise bad_request("stream", "streaming is not supported; leave stream unset")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, -2.0, 2.0) not in (None, 0.0):
+            raise bad_request(name, "penalties are not supported (they would change the behaviour "
+                              "log-probs the trainer corrects for); leave it unset or 0")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias", "is not supported; leave it unset")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("response_format", 'only {"type": "text"} is supported')
+    if _integer(body, "top_logprobs", 0, 20) not in (None, 0):
+        raise bad_request("top_logprobs", "is not supported (only the sampled tokens' log-probs); "
+                          "leave it unset or 0")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs", "must be true or false")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise bad_request("tool_choice",
+                          f'only "auto" and "none" are supported, got {tool_choice!r}')
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad_request("stop", "must be a string or a list of strings")
+    if len(stops) > MAX_STOP or any(not s for s in stops):
+        raise bad_request("stop", f"at most {MAX_STOP} non-empty strings")
+    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
+    return ChatRequest(
+        model=model, messages=_messages(body.get("messages")), tools=_tools(body.get("tools")),
+        use_tools=tool_choice != "none", temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), max_tokens=max_tokens, stop=stops,
+        seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), logprobs=bool(logprobs))
+
+
+async def read_json(request: Any, max_bytes: int) -> Any:
+    """The JSON body of a Starlette ``request``: a body over ``max_bytes`` is a 413, one that is
+    not JSON (or nested too deeply to parse) a 400 naming ``body``; an empty body is ``None``."""
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestError(413, "body", f"body: larger than {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks) or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request("body", f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise bad_request("body", "JSON nested too deeply") from None
