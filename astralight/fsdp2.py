@@ -5,8 +5,8 @@ Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1): the policy uses manual o
 (a no-grad pass, then several forward/backward micro-batches, then one clip + step). Lightning
 runs ``training_step`` inside the root FSDP1 module's forward (forward redirection), and several
 forward/backward passes inside it break FSDP1's state machine ("Expects BACKWARD_PRE or
-BACKWARD_POST state but got HandleTrainingState.FORWARD", Lightning issues #19685 and #19626;
-found by tests/gpu/check.py on an H200). ``ModelParallelStrategy`` has no root wrapper: the
+BACKWARD_POST state but got HandleTrainingState.FORWARD", Lightning issues #19685 and
+#19626). ``ModelParallelStrategy`` has no root wrapper: the
 module shards itself in ``configure_model`` with ``fully_shard`` and ``training_step`` is a
 plain call, so any number of forward/backward passes per step works.
 

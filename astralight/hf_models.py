@@ -7,7 +7,7 @@ that overlap in two threads can restore each other's no-op, leaving tying off fo
 process; a model built or loaded in another thread during a load is not tied either. An untied
 Qwen3-0.6B/1.7B (``tie_word_embeddings: true``) then has a randomly initialised ``lm_head``
 after ``from_pretrained`` (its checkpoint stores the embedding once), and a built model is saved
-with two different matrices. Seen in CI: tied tiny models came out untied after earlier tests.
+with two different matrices.
 
 So every model astralight builds or loads goes through :data:`MODEL_LOCK` (no two of its own
 loads overlap), and :func:`tie_if_configured` checks the result: when transformers meant to tie

@@ -313,7 +313,7 @@ class Sample:
     vocabulary, the engine's context, published versions on every token, at least one
     loss-masked token, log-probs >= :data:`LOGPROB_FLOOR`, :func:`check_sample_metadata`), not
     here, so that samples
-    stored before a check existed still decode.
+    stored by a build with fewer checks still decode.
     """
 
     task_id: str

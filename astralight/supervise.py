@@ -19,7 +19,7 @@ Policy (``recipe.supervise``, see :func:`supervise_settings`):
   again does not spin.
 * Each component may be restarted ``max_restarts`` times; its next crash fails the run
   (:class:`GiveUp`, with the component's last log lines). ``supervise: false`` restarts nothing:
-  the first crash fails the run (the launcher's old behaviour).
+  the first crash fails the run.
 
 Every crash and restart is an :class:`RestartEvent`; the launcher fills in when the component
 recovered (made progress again) and writes the events to the summary.

@@ -1,7 +1,7 @@
 """One thread that steps every in-process vLLM engine of the process: continuous batching.
 
 vLLM's offline ``LLM`` runs a request batch to completion inside ``generate``; callers that arrive
-meanwhile wait for the whole batch, which is what made concurrent episodes slow. Its engine,
+meanwhile wait for the whole batch, which makes concurrent episodes slow. Its engine,
 ``LLM.llm_engine``, is a step machine instead: ``add_request`` queues a request, ``step()`` runs
 one scheduler iteration (prefill and/or one decode token for every running request) and returns
 what each request produced. The :class:`StepDriver` owns that machine for every engine of the
@@ -17,8 +17,8 @@ process, on one thread:
   global forward context; measured: two threads generating at once crash vLLM).
 
 Why not vLLM's ``AsyncLLM``: it always runs the engine core in a separate process; on this
-project's 2-core machines that process boundary cost about 1.6x in throughput (measured for
-issue 15), while one in-process driver thread keeps up with a single offline ``LLM.generate``
+project's 2-core machines that process boundary costs about 1.6x in throughput, while one
+in-process driver thread keeps up with a single offline ``LLM.generate``
 call (``tests/benchmarks/bench_raas_engine.py``). The engine core must be in-process for the
 guarantees above (``VLLMEngine`` forces it): a multiprocess core steps on its own and queues its
 outputs, so an update would no longer land between two steps. On GPUs the same path runs; an

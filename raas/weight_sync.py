@@ -2,8 +2,8 @@
 
 Version ``v`` of a policy is a :class:`~astralight.protocol.WeightManifest` in the dataflow's
 weight store, either ``full`` (bf16 safetensors) or a ``delta`` onto exactly ``base_version``
-(ARCHITECTURE.md rule 5). A :class:`WeightSync` keeps a bf16 *shadow copy* of the newest version
-it has verified in an :class:`astralight.weights.artifacts.WeightState` (which does all
+(astralight/ARCHITECTURE.md rule 5). A :class:`WeightSync` keeps a bf16 *shadow copy* of the newest
+version it has verified in an :class:`astralight.weights.artifacts.WeightState` (which does all
 verification: file size and sha256, every tensor's dtype/shape/sha256, delta base version and base
 digest) and brings the engine to it.
 

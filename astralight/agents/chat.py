@@ -1,4 +1,5 @@
-"""A conversation as the policy saw it, token by token (ARCHITECTURE rule 1: tokens in, tokens out).
+"""A conversation as the policy saw it, token by token (astralight/ARCHITECTURE.md rule 1: tokens
+in, tokens out).
 
 A :class:`ChatTranscript` starts from the chat template's rendering of the first messages (the
 prompt, ending in the generation prompt ``<|im_start|>assistant\\n``), then grows by two moves:

@@ -2,11 +2,11 @@
 
 Pure (no I/O, the clock is an argument), so every rule is tested with hand-made reports:
 
-- **target**: the report's ``decision.target`` (the dataflow's three-zone rule, ARCHITECTURE.md
-  "Elasticity and the balance report"). The autoscaler asks for the report with ``pool`` set to the
-  pool it counts itself; if the report was computed for another pool size, the same rule
-  (:func:`astralight.dataflow.balance.decide`) is applied to the report's wait fraction and counts
-  for this pool instead.
+- **target**: the report's ``decision.target`` (the dataflow's three-zone rule,
+  astralight/ARCHITECTURE.md "Elasticity and the balance report"). The autoscaler asks for the
+  report with ``pool`` set to the pool it counts itself; if the report was computed for another
+  pool size, the same rule (:func:`astralight.dataflow.balance.decide`) is applied to the report's
+  wait fraction and counts for this pool instead.
 - **bounds**: the target is clamped to ``[min_instances, max_instances]``; a pool outside the
   bounds is brought back inside even during a cooldown (:meth:`Policy.bounds`, checked on every
   poll, so an instance that died is replaced without waiting for the next report, at most once per

@@ -33,7 +33,7 @@ from typing import Any
 from astralight.envs.text import clean_observation
 from astralight.envs.textworld_env import TextGameEnv, resolve_game
 from astralight.protocol import Task
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt, PromptSource, check_index
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +212,7 @@ class AlfWorldGames(PromptSource):
         return len(self.items)
 
     def get(self, index: int) -> Prompt:
-        if not 0 <= index < len(self.items):
-            raise IndexError(f"game {index} out of range [0, {len(self.items)}) of "
-                             f"{self.games_dir}")
-        prompt_id, prompt, metadata = self.items[index]
+        prompt_id, prompt, metadata = self.items[check_index(index, len(self.items), "game",
+                                                             self.games_dir)]
         return Prompt(prompt_id=prompt_id, prompt=prompt, metadata=dict(metadata,
                       walkthrough=list(metadata["walkthrough"])))

@@ -16,7 +16,7 @@ import hashlib
 from pathlib import Path
 
 from astralight.envs.textworld_env import GAME_SUFFIX, game_record
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt, PromptSource, check_index
 
 SPLITS = ("train", "eval", "all")
 
@@ -68,10 +68,7 @@ class TextWorldGames(PromptSource):
         return len(self.games)
 
     def get(self, index: int) -> Prompt:
-        if not 0 <= index < len(self.games):
-            raise IndexError(f"game {index} out of range [0, {len(self.games)}) of "
-                             f"{self.games_dir}")
-        path = self.games[index]
+        path = self.games[check_index(index, len(self.games), "game", self.games_dir)]
         record = game_record(path)
         where = path.relative_to(self.games_dir) if self.relative_paths else path
         return Prompt(prompt_id=path.stem, prompt=record["objective"] or path.stem,

@@ -20,7 +20,7 @@ Tokens: the components inherit the launcher's environment. With scoped tokens se
 scope, as ``ASTRALIGHT_TOKEN``: each RaaS the rollout token, each trainer the trainer token bound
 to its model_id, the autoscaler the admin token (plus the rollout token for the RaaS it starts);
 the progress view reads the dataflow with the admin token (:mod:`astralight.dataflow.auth`).
-Without scoped tokens ``ASTRALIGHT_TOKEN`` reaches every process as before.
+Without scoped tokens ``ASTRALIGHT_TOKEN`` alone reaches every process (the single-token mode).
 
 Every ``balance.every`` versions (default 10) the dataflow's balance report (trainer wait
 fraction, produced / accepted / consumed, the pool decision) is appended to the run folder, a

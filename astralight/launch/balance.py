@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 #: pool modes: nothing resizes a fixed pool; the autoscaler resizes an elastic one
 FIXED, AUTOSCALE = "fixed", "autoscale"
@@ -42,21 +42,22 @@ def window_line(report: dict, pool_mode: str, final: bool = False) -> str:
             f"({d.get('reason')}); {advice_text(pool_mode)}")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The reports of a ``balance.jsonl`` (lines that do not parse are skipped)."""
-    out = []
+def _json_value(line: str) -> Any:
+    """The JSON value of one line; None when it does not parse (a line cut short by a crash)."""
     try:
-        lines = path.read_text().splitlines()
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file (``balance.jsonl``, ``autoscale.jsonl``), in order;
+    lines that do not parse or hold no object are skipped, and a missing file holds none."""
+    try:
+        lines = Path(path).read_text().splitlines()
     except OSError:
-        return out
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict):
-            out.append(entry)
-    return out
+        return []
+    return [entry for entry in map(_json_value, lines) if isinstance(entry, dict)]
 
 
 class BalanceLog:

@@ -1,7 +1,7 @@
 """``astralight run --check RECIPE``: check a whole run before anything starts, in seconds.
 
-Why: a mistake in a component config used to surface only after the warm start, the dataflow and
-vLLM had started (a trainer typo such as ``max_step:`` was found by the trainer, minutes in).
+Why: without it a mistake in a component config surfaces only after the warm start, the dataflow
+and vLLM have started (a trainer typo such as ``max_step:`` reaches the trainer minutes in).
 :func:`check_recipe` parses every component config with the component's own parser, the way the
 component will, without starting or building anything heavy:
 

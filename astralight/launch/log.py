@@ -2,7 +2,7 @@
 
 Why: the components have their logs under ``RUN/logs/``, but the launcher's own lines -- progress
 with rate and ETA, restarts and recoveries, the stop and its reason, the final summary line, a
-failure -- used to exist only on the terminal, lost when it closed or under a scheduler.
+failure -- would otherwise exist only on the terminal, lost when it closes or under a scheduler.
 
 :class:`LaunchLog` copies the launcher process's ``sys.stdout`` and ``sys.stderr`` into the file
 from :meth:`LaunchLog.open` (once the run folder is known) until :meth:`LaunchLog.close`, each line

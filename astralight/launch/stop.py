@@ -124,8 +124,8 @@ def _max_steps(trainer_cfg: dict, key: str) -> int | None:
 def resolve_versions(recipe: dict) -> dict:
     """The recipe with ``stop.versions`` and each trainer's ``trainer.max_steps`` in step.
 
-    Why: they used to be kept equal by hand (``versions = max_steps / every_n_steps``), and a
-    mismatch ran a trainer past the launcher's stop or stopped the launcher before the trainer.
+    Why: kept equal by hand (``versions = max_steps / every_n_steps``), a mismatch runs a
+    trainer past the launcher's stop or stops the launcher before the trainer.
     Of the trainer of ``stop.model_id``: a missing ``stop.versions`` is derived from its
     ``max_steps`` (which must then be a multiple of ``every_n_steps``, else its last steps would
     never be published); a missing ``max_steps`` from ``stop.versions``; both given and

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from astralight.launch.balance import read_jsonl
+
 TIME_TO_ACCURACY = 0.85
 """The accuracy ``wall_s_to_085`` in the summary is measured to."""
 
@@ -60,19 +62,11 @@ def rollout_capacity_seconds(instances: list[dict] | None) -> float | None:
 
 def read_pool_history(path: Path) -> list[dict] | None:
     """The autoscaler's decisions (its JSON-lines log), None when there is none."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
+    if not Path(path).is_file():
         return None
-    out = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        out.append({k: entry.get(k) for k in ("time", "version", "action", "pool", "target",
-                                              "launched", "retire", "reason", "errors")})
-    return out
+    return [{k: entry.get(k) for k in ("time", "version", "action", "pool", "target", "launched",
+                                       "retire", "reason", "errors")}
+            for entry in read_jsonl(path)]
 
 
 def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None, model_id: str,

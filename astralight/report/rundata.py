@@ -536,13 +536,9 @@ def _read_pool(data: RunData) -> None:
     if path is None:
         return
     data.pool_log = path
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("time") is not None:
-            data.pool_decisions.append(entry)
+    from astralight.launch.balance import read_jsonl
+
+    data.pool_decisions += [entry for entry in read_jsonl(path) if entry.get("time") is not None]
 
 
 def load_run(run_dir: str | Path, tensorboard: tuple | list = (),

@@ -10,7 +10,7 @@ import hashlib
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt, PromptSource, check_index
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -65,9 +65,7 @@ class ArithmeticSource(PromptSource):
         if self.split == "train":
             return self._draw(index, "train")
         cache = self._eval_prompts()
-        if not 0 <= index < len(cache):
-            raise IndexError(f"eval prompt {index} out of range [0, {len(cache)})")
-        return cache[index]
+        return cache[check_index(index, len(cache), "eval prompt")]
 
     def _eval_prompts(self) -> list[Prompt]:
         if self._eval_cache is None:

@@ -29,3 +29,13 @@ class PromptSource:
     def __len__(self) -> int:
         """Number of distinct prompts; infinite (procedural) sources return a very large number."""
         return 2**62
+
+
+def check_index(index: int, size: int, what: str = "prompt", where: Any = None) -> int:
+    """``index`` when it is in ``[0, size)``; else an IndexError naming ``what`` (prompt, game),
+    the range and ``where`` (the source's files) when given. Sources count from 0 only: a
+    negative index is an error, not a position from the end."""
+    if not 0 <= index < size:
+        of = f" of {where}" if where is not None else ""
+        raise IndexError(f"{what} {index} out of range [0, {size}){of}")
+    return index

@@ -11,7 +11,7 @@ Two small stateful helpers wrap the rules so the trainer and the RaaS need no co
   full vs delta (first version, every ``full_every`` versions, or when names/shapes change).
 * :class:`WeightState` (RaaS side) holds the bf16 state of one version and applies the next
   artifact, refusing a delta onto any other base and raising on any checksum mismatch, after
-  which the caller pulls a full version (ARCHITECTURE.md rule 5).
+  which the caller pulls a full version (astralight/ARCHITECTURE.md rule 5).
 
 Files are passed around as ``{name: bytes | path}``; nothing is pickled.
 """

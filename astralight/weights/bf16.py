@@ -1,9 +1,10 @@
 """bf16 tensors as 16-bit patterns: the unit the weight interface versions, diffs and checksums.
 
 Why bit patterns: a RaaS must rebuild *exactly* the bf16 values the trainer cast (rule 5 of
-ARCHITECTURE.md), including NaN payloads and the sign of zero. Comparing and hashing ``uint16``
-views is exact, fast, and needs no bf16 support in numpy. Everything here is zero-copy where the
-input allows it (a contiguous CPU bf16 tensor becomes a ``uint16`` view of the same memory).
+astralight/ARCHITECTURE.md), including NaN payloads and the sign of zero. Comparing and hashing
+``uint16`` views is exact, fast, and needs no bf16 support in numpy. Everything here is zero-copy
+where the input allows it (a contiguous CPU bf16 tensor becomes a ``uint16`` view of the same
+memory).
 
 Checksums are SHA-256 over the little-endian bytes of the C-ordered bf16 array, the same bytes a
 safetensors file stores, so a checksum can be checked against either a tensor or a file slice.

@@ -170,7 +170,8 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, add_special_tokens: bool = Fals
 
     ``add_special_tokens`` (text prompts): the tokenizer's own special tokens, and its
     ``bos_token`` first when it has one that its post-processor does not add (many tokenizers,
-    the tiny one included, define a BOS but add none: users had to write it into the prompt)."""
+    the tiny one included, define a BOS but add none; without this a user would write it into
+    the prompt)."""
     if isinstance(prompt, str):
         ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         bos = getattr(tokenizer, "bos_token_id", None) if add_special_tokens else None

@@ -66,20 +66,17 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Iterator
+from typing import Any
 
 from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
 from astralight.rewards.code import extract_code, judge, validate_tests
 from astralight.rewards.sandbox import SandboxResult, run_program
-from astralight.workflows.base import Reply, Workflow, check_roles, encode_text_prompt
-from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
+from astralight.workflows.base import Reply, check_roles
+from astralight.workflows.roles import (Indices, RoleRounds, fill_placeholders, role_samplings,
+                                        template_placeholders)
 
 log = logging.getLogger(__name__)
-
-#: the next sample index of each model id within one task (``defaultdict(count)``): both roles
-#: share one sequence when they share a model id, so indices stay unique
-_Indices = dict[str, Iterator[int]]
 
 DEFAULT_SOLVER_PROMPT = (
     "Solve the programming problem below with a Python 3 program that reads its input from "
@@ -112,13 +109,7 @@ _PLACEHOLDER = re.compile(r"\{(problem|prompt|attempt|failures|input|expected|go
 
 def fill(template: str, **fields: str) -> str:
     """Substitute the known ``{placeholders}`` only; other braces are left alone."""
-    def sub(m: re.Match) -> str:
-        if m.group(1) not in fields:
-            raise KeyError(f"template: placeholder {{{m.group(1)}}} has no value here; this "
-                           f"template may use {sorted('{' + k + '}' for k in fields)}")
-        return fields[m.group(1)]
-
-    return _PLACEHOLDER.sub(sub, template)
+    return fill_placeholders(_PLACEHOLDER, template, fields)
 
 
 # ------------------------------------------------------------------------------ test parsing
@@ -234,9 +225,6 @@ class _TaskState:
     feedback: list[dict] = field(default_factory=list)
 
 
-_Reply = Reply  # one request's outcome (astralight.workflows.base.Reply)
-
-
 class _Executions:
     """Sandboxed runs of one task, memoized by (program, stdin), each on a thread of ``pool``
     (the thread waits on the child process; the event loop never does)."""
@@ -270,7 +258,7 @@ class _Executions:
 # ------------------------------------------------------------------------------ workflow
 
 
-class CodeSolverTestGen(Workflow):
+class CodeSolverTestGen(RoleRounds):
     """The code solver + test-generator workflow (``Task.workflow == "code_testgen"``).
 
     Args:
@@ -318,10 +306,7 @@ class CodeSolverTestGen(Workflow):
         for name, tpl in templates.items():
             if not isinstance(tpl, str):
                 raise TypeError(f"{name}: expected a string template, got {type(tpl).__name__}")
-            used = set(_PLACEHOLDER.findall(tpl))
-            if used - _TEMPLATE_FIELDS[name]:
-                raise ValueError(f"{name}: may use {sorted(_TEMPLATE_FIELDS[name])}, "
-                                 f"uses {sorted(used)}")
+            template_placeholders(_PLACEHOLDER, name, tpl, _TEMPLATE_FIELDS[name])
             unknown = set(re.findall(r"\{([A-Za-z_]\w*)\}", tpl)) - set(_TEMPLATE_FIELDS[name])
             if unknown:
                 log.warning("%s: %s are not placeholders here and stay as written (this template "
@@ -334,13 +319,10 @@ class CodeSolverTestGen(Workflow):
         if max_tests < 1 or max_failures_shown < 1:
             raise ValueError("max_tests and max_failures_shown: must be >= 1")
         self.roles = roles
-        self.sampling = sampling or SamplingSpec(max_tokens=512)
-        self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
-                                                           max_tokens=self.sampling.max_tokens)
-        self.testgen_sampling = testgen_sampling or self.sampling
-        self.testgen_eval_sampling = testgen_eval_sampling or SamplingSpec(
-            temperature=self.eval_sampling.temperature, top_p=self.eval_sampling.top_p,
-            max_tokens=self.testgen_sampling.max_tokens)
+        (self.sampling, self.eval_sampling, self.testgen_sampling,
+         self.testgen_eval_sampling) = role_samplings(sampling or SamplingSpec(max_tokens=512),
+                                                      eval_sampling, testgen_sampling,
+                                                      testgen_eval_sampling)
         self.templates = templates
         self.retry = retry
         self.max_tests = int(max_tests)
@@ -357,16 +339,6 @@ class CodeSolverTestGen(Workflow):
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _sampling(self, role: str, kind: str) -> SamplingSpec:
-        """The sampling of ``role`` for a task of ``kind`` (eval tasks use the eval specs)."""
-        if role == "testgen":
-            return self.testgen_eval_sampling if kind == "eval" else self.testgen_sampling
-        return self.eval_sampling if kind == "eval" else self.sampling
-
-    def _encode(self, engine: Any, text: str) -> list[int] | None:
-        """Prompt ids of a filled template, or None when it does not fit the engine."""
-        return encode_text_prompt(engine, text, self.chat, self.add_special_tokens)
-
     def _sandbox_pool(self) -> ThreadPoolExecutor:
         """The ``sandbox_workers`` threads every task's programs run on (made on first use, so
         building the workflow from a config starts no threads)."""
@@ -375,36 +347,6 @@ class CodeSolverTestGen(Workflow):
                 self._pool = ThreadPoolExecutor(max_workers=self.sandbox_workers,
                                                 thread_name_prefix="code-sandbox")
             return self._pool
-
-    @staticmethod
-    async def _ask(engine: Any, ids: list[int], spec: SamplingSpec, then=None) -> _Reply:
-        """One request: generate and decode (EOS stripped); ``then(reply)``, if given, is
-        awaited as soon as this reply arrives (e.g. its program's sandbox runs)."""
-        version = int(engine.version)
-        comp = await engine.generate(ids, spec)
-        reply = _Reply(ids, comp, version, SingleTurnWorkflow.decode(engine.tokenizer, comp),
-                       spec.temperature)
-        if then is not None:
-            await then(reply)
-        return reply
-
-    async def _round(self, engines: dict[str, Any], role: str, task: Task,
-                     prompts: list[list[int]], then=None) -> list[_Reply]:
-        """Every prompt of one round of ``role`` in flight at once, replies in prompt order;
-        request ``i`` samples with ``spec.for_request(i, task_id)`` (its own seed when seeded)."""
-        engine = engines[self.roles[role]]
-        spec = self._sampling(role, task.kind)
-        return list(await gather_all(*(self._ask(engine, ids, spec.for_request(i, task.task_id),
-                                                 then)
-                                           for i, ids in enumerate(prompts))))
-
-    def _sample(self, task: Task, role: str, index: _Indices, slot: int,
-                reply: _Reply) -> Sample:
-        """The sample of one reply of ``role`` (reward set once the sandbox has judged it)."""
-        model_id = self.roles[role]
-        return completion_sample(task, model_id, next(index[model_id]), slot, reply.ids,
-                                 reply.completion, reply.version, 0.0, reply.temperature,
-                                 role=role, text=reply.text)
 
     def _state(self, task: Task) -> _TaskState:
         md = task.metadata or {}
@@ -449,14 +391,14 @@ class CodeSolverTestGen(Workflow):
         as in the module docstring; solver samples first, each model id by sample index."""
         check_roles(self.name, self.roles, [task], engines)
         st = self._state(task)
-        index: _Indices = defaultdict(count)
+        index: Indices = defaultdict(count)
         await self._write(st, engines, index)
         ex = _Executions(self._limits_for(st), self._sandbox_pool())
         await self._test(st, ex)
         await self._retries(st, ex, engines, index)
         return self._collect(st)
 
-    async def _write(self, st: _TaskState, engines: dict[str, Any], index: _Indices) -> None:
+    async def _write(self, st: _TaskState, engines: dict[str, Any], index: Indices) -> None:
         """Round 1: ``n`` programs and ``n`` test suites, all in flight at once; suites parsed."""
         solver, testgen = engines[self.roles["solver"]], engines[self.roles["testgen"]]
         n = st.task.n
@@ -498,7 +440,7 @@ class CodeSolverTestGen(Workflow):
             att.failing = [c for c in st.feedback if not ex.passes(att.code, c)]
 
     async def _retries(self, st: _TaskState, ex: _Executions, engines: dict[str, Any],
-                       index: _Indices) -> None:
+                       index: Indices) -> None:
         """Round 2: one retry per program that failed the feedback suite, all in flight at
         once; each retry's program runs the hidden tests as soon as it arrives."""
         if not self.retry:
@@ -517,7 +459,7 @@ class CodeSolverTestGen(Workflow):
             else:
                 jobs.append((att, ids))
 
-        async def run_hidden(reply: _Reply) -> None:
+        async def run_hidden(reply: Reply) -> None:
             await ex.run([(extract_code(reply.text), c["input"]) for c in st.hidden])
 
         replies = await self._round(engines, "solver", st.task, [ids for _, ids in jobs],

@@ -1,10 +1,10 @@
 """Multi-turn environment workflow: observation -> action -> observation ... -> reward.
 
-One :class:`Sample` per episode, laid out as one token stream (ARCHITECTURE rule 1, tokens in /
-tokens out): ``prompt (first observation) + action_1 + observation_1 + action_2 + ...``. Only
-action tokens are trained on: they carry ``loss_mask`` 1, the behaviour log-prob and the version
-of the engine that generated them; prompt and observation tokens carry mask 0, log-prob 0 and
-version -1. The model's own tokens are never re-tokenized: each turn's context is exactly the
+One :class:`Sample` per episode, laid out as one token stream (astralight/ARCHITECTURE.md rule 1,
+tokens in / tokens out): ``prompt (first observation) + action_1 + observation_1 + action_2 +
+...``. Only action tokens are trained on: they carry ``loss_mask`` 1, the behaviour log-prob and
+the version of the engine that generated them; prompt and observation tokens carry mask 0, log-prob
+0 and version -1. The model's own tokens are never re-tokenized: each turn's context is exactly the
 token ids so far (the action's EOS included, it ended the turn), so the trainer sees what the
 policy saw.
 

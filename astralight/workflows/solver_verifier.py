@@ -33,19 +33,16 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import count
-from typing import Any, Iterator
+from typing import Any
 
-from astralight.engine import SamplingSpec, gather_all
+from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Reply, Workflow, blocking, check_roles, encode_text_prompt
-from astralight.workflows.single_turn import SingleTurnWorkflow, completion_sample
+from astralight.workflows.base import Reply, blocking, check_roles
+from astralight.workflows.roles import (AfterReply, Indices, RoleRounds, fill_placeholders,
+                                        role_samplings, template_placeholders)
 
 log = logging.getLogger(__name__)
-
-#: the next sample index of each model id within one task (``defaultdict(count)``): both roles
-#: share one sequence when they share a model id, so indices stay unique
-_Indices = dict[str, Iterator[int]]
 
 APPROVE, REJECT, INVALID = "approve", "reject", "invalid"
 
@@ -107,13 +104,7 @@ def fill_template(template: str, **fields: str) -> str:
 
     Not ``str.format``: real prompts contain literal braces (``\\boxed{}``) that must survive.
     """
-    def sub(m: re.Match) -> str:
-        if m.group(1) not in fields:
-            raise KeyError(f"template: placeholder {{{m.group(1)}}} has no value here; "
-                           f"this template may use {sorted('{' + k + '}' for k in fields)}")
-        return fields[m.group(1)]
-
-    return _PLACEHOLDER.sub(sub, template)
+    return fill_placeholders(_PLACEHOLDER, template, fields)
 
 
 class VerdictParser:
@@ -149,7 +140,6 @@ class VerdictParser:
         return APPROVE if last_a[-1] > last_r[-1] else REJECT
 
 
-_Reply = Reply  # one request's outcome (astralight.workflows.base.Reply)
 
 
 @dataclass
@@ -173,7 +163,7 @@ class _Attempt:
         return self.first_correct
 
 
-class SolverVerifier(Workflow):
+class SolverVerifier(RoleRounds):
     """The solver-verifier workflow (``Task.workflow == "solver_verifier"``).
 
     Args:
@@ -216,20 +206,14 @@ class SolverVerifier(Workflow):
         for name, tpl, allowed in (("solver_prompt", solver_prompt, {"problem"}),
                                    ("verifier_prompt", verifier_prompt, {"problem", "answer"}),
                                    ("retry_prompt", retry_prompt, {"problem", "answer", "feedback"})):
-            used = set(_PLACEHOLDER.findall(tpl))
-            if used - allowed:
-                raise ValueError(f"{name}: may use {sorted(allowed)}, uses {sorted(used)}")
+            used = template_placeholders(_PLACEHOLDER, name, tpl, allowed)
             if "problem" not in used and name != "verifier_prompt":
                 log.warning("%s does not contain {problem}", name)
         self.reward = reward
         self.roles = roles
-        self.sampling = sampling or SamplingSpec()
-        self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
-                                                           max_tokens=self.sampling.max_tokens)
-        self.verifier_sampling = verifier_sampling or self.sampling
-        self.verifier_eval_sampling = verifier_eval_sampling or SamplingSpec(
-            temperature=self.eval_sampling.temperature, top_p=self.eval_sampling.top_p,
-            max_tokens=self.verifier_sampling.max_tokens)
+        (self.sampling, self.eval_sampling, self.verifier_sampling,
+         self.verifier_eval_sampling) = role_samplings(sampling or SamplingSpec(), eval_sampling,
+                                                       verifier_sampling, verifier_eval_sampling)
         self.templates = {"solver": solver_prompt, "verifier": verifier_prompt, "retry": retry_prompt}
         self.parser = VerdictParser(approve_pattern, reject_pattern)
         self.invalid_reward = float(invalid_reward)
@@ -238,16 +222,6 @@ class SolverVerifier(Workflow):
         self.add_special_tokens = add_special_tokens
 
     # ------------------------------------------------------------------------------ helpers
-
-    def _sampling(self, role: str, kind: str) -> SamplingSpec:
-        """The sampling of ``role`` for a task of ``kind`` (eval tasks use the eval specs)."""
-        if role == "verifier":
-            return self.verifier_eval_sampling if kind == "eval" else self.verifier_sampling
-        return self.eval_sampling if kind == "eval" else self.sampling
-
-    def _encode(self, engine: Any, text: str) -> list[int] | None:
-        """Prompt ids of a filled template, or None when it does not fit the engine."""
-        return encode_text_prompt(engine, text, self.chat, self.add_special_tokens)
 
     @staticmethod
     def problem_text(task: Task) -> str:
@@ -267,39 +241,13 @@ class SolverVerifier(Workflow):
             return float(self.reward(text, metadata))
         return float(await blocking(self.reward, text, metadata))
 
-    async def _ask(self, engine: Any, ids: list[int], spec: SamplingSpec,
-                   metadata: dict | None = None) -> _Reply:
-        """One request: generate, decode (EOS stripped) and, given ``metadata``, score the
-        answer with the solver reward."""
-        version = int(engine.version)
-        comp = await engine.generate(ids, spec)
-        reply = _Reply(ids, comp, version, SingleTurnWorkflow.decode(engine.tokenizer, comp),
-                       spec.temperature)
-        if metadata is not None:
+    def _scorer(self, metadata: dict) -> AfterReply:
+        """What a solver round does with each answer as soon as it arrives: score it against
+        ``metadata`` with the solver reward (``reply.reward``)."""
+        async def score(reply: Reply) -> None:
             reply.reward = await self._score(reply.text, metadata)
-        return reply
 
-    async def _round(self, engines: dict[str, Any], role: str, task: Task,
-                     prompts: list[list[int]], score: bool) -> list[_Reply]:
-        """Every prompt of one round of ``role`` in flight at once, replies in prompt order.
-
-        Request ``i`` samples with ``spec.for_request(i, task_id)`` (its own seed when seeded); ``score``
-        rewards each answer against ``task.metadata`` as soon as it arrives.
-        """
-        engine = engines[self.roles[role]]
-        spec = self._sampling(role, task.kind)
-        metadata = task.metadata if score else None
-        return list(await gather_all(*(self._ask(engine, ids, spec.for_request(i, task.task_id),
-                                                 metadata)
-                                           for i, ids in enumerate(prompts))))
-
-    def _sample(self, task: Task, role: str, index: _Indices, slot: int,
-                reply: _Reply, reward: float) -> Sample:
-        """The sample of one reply of ``role`` (its model id, the next index of that id)."""
-        model_id = self.roles[role]
-        return completion_sample(task, model_id, next(index[model_id]), slot, reply.ids,
-                                 reply.completion, reply.version, reward, reply.temperature,
-                                 role=role, text=reply.text)
+        return score
 
     # ------------------------------------------------------------------------------ run
 
@@ -308,21 +256,22 @@ class SolverVerifier(Workflow):
         role by sample index). A prompt that does not fit its engine drops that step."""
         check_roles(self.name, self.roles, [task], engines)
         problem = self.problem_text(task)
-        index: _Indices = defaultdict(count)
+        index: Indices = defaultdict(count)
         attempts = await self._first_attempts(task, problem, engines, index)
         await self._verdicts(task, problem, attempts, engines, index)
         await self._retries(task, problem, attempts, engines, index)
         return self._collect(attempts)
 
     async def _first_attempts(self, task: Task, problem: str, engines: dict[str, Any],
-                              index: _Indices) -> list[_Attempt]:
+                              index: Indices) -> list[_Attempt]:
         """Round 1: the task's ``n`` answers to the solver prompt, each scored."""
         solver = engines[self.roles["solver"]]
         ids = self._encode(solver, fill_template(self.templates["solver"], problem=problem))
         if ids is None:
             return []
         attempts = [_Attempt(g) for g in range(task.n)]
-        replies = await self._round(engines, "solver", task, [ids] * task.n, score=True)
+        replies = await self._round(engines, "solver", task, [ids] * task.n,
+                                    then=self._scorer(task.metadata))
         for att, reply in zip(attempts, replies):
             att.first_text = reply.text
             att.first_correct = reply.reward >= self.correct_threshold
@@ -337,18 +286,13 @@ class SolverVerifier(Workflow):
         return 1.0 if (verdict == APPROVE) == judged_correct else 0.0
 
     async def _verdicts(self, task: Task, problem: str, attempts: list[_Attempt],
-                        engines: dict[str, Any], index: _Indices) -> None:
+                        engines: dict[str, Any], index: Indices) -> None:
         """Round 2: the verifier judges every first answer (verdict parsing is a regex search:
         cheap, on the loop)."""
-        verifier = engines[self.roles["verifier"]]
-        jobs = []
-        for att in attempts:
-            ids = self._encode(verifier, fill_template(self.templates["verifier"], problem=problem,
-                                                       answer=att.first_text))
-            if ids is not None:
-                jobs.append((att, ids))
-        replies = await self._round(engines, "verifier", task, [ids for _, ids in jobs],
-                                    score=False)
+        jobs = self._fitting("verifier", engines, [
+            (att, fill_template(self.templates["verifier"], problem=problem, answer=att.first_text))
+            for att in attempts])
+        replies = await self._round(engines, "verifier", task, [ids for _, ids in jobs])
         for (att, _), reply in zip(jobs, replies):
             att.feedback = reply.text
             att.verdict = self.parser(att.feedback)
@@ -357,20 +301,15 @@ class SolverVerifier(Workflow):
             att.verifier.metadata["judged_correct"] = int(att.first_correct)
 
     async def _retries(self, task: Task, problem: str, attempts: list[_Attempt],
-                       engines: dict[str, Any], index: _Indices) -> None:
+                       engines: dict[str, Any], index: Indices) -> None:
         """Round 3: one retry, with the verifier's text in context, for every rejected (or
         unparseable) answer, each scored."""
-        solver = engines[self.roles["solver"]]
-        jobs = []
-        for att in attempts:
-            if att.verdict in (REJECT, INVALID):
-                ids = self._encode(solver, fill_template(
-                    self.templates["retry"], problem=problem, answer=att.first_text,
-                    feedback=att.feedback))
-                if ids is not None:
-                    jobs.append((att, ids))
+        jobs = self._fitting("solver", engines, [
+            (att, fill_template(self.templates["retry"], problem=problem, answer=att.first_text,
+                                feedback=att.feedback))
+            for att in attempts if att.verdict in (REJECT, INVALID)])
         replies = await self._round(engines, "solver", task, [ids for _, ids in jobs],
-                                    score=True)
+                                    then=self._scorer(task.metadata))
         for (att, _), reply in zip(jobs, replies):
             att.retry_correct = reply.reward >= self.correct_threshold
             att.retry = self._sample(task, "solver", index, att.slot, reply, reply.reward)

@@ -67,11 +67,19 @@ if str(REPO) not in sys.path:  # run as a script: make the tests package importa
 
 from astralight.launch.recipe import load_recipe  # noqa: E402
 from tests.benchmarks.bench_async_vs_sync import publish_times, seconds_per_version  # noqa: E402
-from tests.benchmarks.bench_data_algorithms import (_fmt, eval_every_for, log,  # noqa: E402
-                                                    prepare_shared_model, run_variant)
+from tests.benchmarks.bench_data_algorithms import (_fmt, eval_every_for, finish,  # noqa: E402
+                                                    log, prepare_shared_model, run_variant,
+                                                    text_table)
 
 RECIPE = REPO / "configs" / "toy" / "autoscale.yaml"
 VARIANTS = ("fixed_small", "fixed_large", "autoscale")
+#: the columns of :func:`format_table`: (header, width, row key, format spec)
+TABLE_COLUMNS = [("variant", 13, "variant", ""), ("wall s", 8, "wall_s", ".0f"),
+                 ("rollout cap s", 15, "rollout_capacity_seconds", ""),
+                 ("trainer s", 11, "trainer_seconds", ""),
+                 ("total cap s", 13, "total_capacity_seconds", ""),
+                 ("wait", 7, "wait_fraction", ".2f"), ("final acc", 10, "final_eval_accuracy", ".3f"),
+                 ("pool", 6, "largest_pool", "")]
 
 
 @dataclass(frozen=True)
@@ -203,15 +211,7 @@ def result_row(name: str, args: argparse.Namespace, summary: dict, wall_s: float
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'variant':<13}{'wall s':>8}{'rollout cap s':>15}{'trainer s':>11}{'total cap s':>13}"
-            f"{'wait':>7}{'final acc':>10}{'pool':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['variant']:<13}{r['wall_s']:>8.0f}{_fmt(r['rollout_capacity_seconds']):>15}"
-                     f"{_fmt(r['trainer_seconds']):>11}{_fmt(r['total_capacity_seconds']):>13}"
-                     f"{_fmt(r['wait_fraction'], '.2f'):>7}{_fmt(r['final_eval_accuracy'], '.3f'):>10}"
-                     f"{_fmt(r['largest_pool']):>6}")
-    return "\n".join(lines)
+    return text_table(rows, TABLE_COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,12 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{_fmt(row['final_eval_accuracy'], '.3f')}")
         if args.json:
             print(json.dumps(row), flush=True)
-    if not args.json and rows:
-        print(format_table(rows), flush=True)
-    if failures:
-        log(f"[bench] failed variants: {failures}")
-        return 1
-    return 0
+    return finish(rows, failures, args.json, format_table)
 
 
 if __name__ == "__main__":

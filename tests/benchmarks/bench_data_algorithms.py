@@ -49,7 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -75,6 +75,13 @@ VARIANTS = (
     Variant("ds_replay_greso_0.3", "ds_replay_greso.yaml", 0.3),
     Variant("ds_replay_greso_0.5", "ds_replay_greso.yaml", 0.5),
 )
+#: the columns of :func:`format_table`: (header, width, row key, format spec)
+TABLE_COLUMNS = [("variant", 22, "variant", ""), ("replay", 7, "replay_ratio", ".1f"),
+                 ("rollouts", 10, "rollouts_generated", ""), ("trained", 9, "samples_trained", ""),
+                 ("final acc", 10, "final_eval_accuracy", ".3f"),
+                 ("to vanilla", 11, "rollouts_to_vanilla", ""),
+                 ("filtered", 9, "groups_filtered", ""), ("skipped", 8, "prompts_skipped", ""),
+                 ("wall s", 8, "wall_s", ".0f")]
 
 
 def select_variants(names: list[str] | None) -> list[Variant]:
@@ -188,16 +195,32 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
+def text_table(rows: list[dict], columns: list[tuple[str, int, str, str]]) -> str:
+    """``rows`` as a text table under a header line: ``columns`` are ``(header, width, key,
+    format spec)``, the first left-aligned, the others right-aligned; a missing value is "-"."""
+    def line(cells: list[str]) -> str:
+        return "".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                       for i, (c, (_, w, _, _)) in enumerate(zip(cells, columns)))
+
+    head = line([header for header, _, _, _ in columns])
+    body = [line([_fmt(r.get(key), spec) for _, _, key, spec in columns]) for r in rows]
+    return "\n".join([head, "-" * len(head), *body])
+
+
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'variant':<22}{'replay':>7}{'rollouts':>10}{'trained':>9}{'final acc':>10}"
-            f"{'to vanilla':>11}{'filtered':>9}{'skipped':>8}{'wall s':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['variant']:<22}{r['replay_ratio']:>7.1f}{_fmt(r['rollouts_generated']):>10}"
-                     f"{_fmt(r['samples_trained']):>9}{_fmt(r['final_eval_accuracy'], '.3f'):>10}"
-                     f"{_fmt(r.get('rollouts_to_vanilla')):>11}{_fmt(r['groups_filtered']):>9}"
-                     f"{_fmt(r['prompts_skipped']):>8}{r['wall_s']:>8.0f}")
-    return "\n".join(lines)
+    return text_table(rows, TABLE_COLUMNS)
+
+
+def finish(rows: list[dict], failures: list[str], json_lines: bool,
+           table: Callable[[list[dict]], str]) -> int:
+    """The end of a benchmark run: ``table(rows)`` on stdout (unless every row went out as a JSON
+    line already), and the exit status: 1 after logging the variants that failed, else 0."""
+    if not json_lines and rows:
+        print(table(rows), flush=True)
+    if failures:
+        log(f"[bench] failed variants: {failures}")
+        return 1
+    return 0
 
 
 def plot(rows: list[dict], out: Path) -> Path:
@@ -340,14 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json_line(row), flush=True)
 
-    if not args.json and rows:
-        print(format_table(rows), flush=True)
     if args.plot and rows:
         log(f"[bench] plot: {plot(rows, Path(args.plot))}")
-    if failures:
-        log(f"[bench] failed variants: {failures}")
-        return 1
-    return 0
+    return finish(rows, failures, args.json, format_table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt, PromptSource, check_index
 from astralight.tasks.data.fields import (FieldError, get_path, json_safe, pick,
                                           render_template, template_fields)
 from astralight.tasks.data.readers import read_records
@@ -157,10 +157,8 @@ class FileSource(PromptSource):
         return len(self._items)
 
     def get(self, index: int) -> Prompt:
-        if not 0 <= index < len(self._items):
-            raise IndexError(f"prompt {index} out of range [0, {len(self._items)}) of "
-                             f"{self._tag()}")
-        prompt_id, prompt, metadata = self._items[index]
+        prompt_id, prompt, metadata = self._items[check_index(index, len(self._items),
+                                                               where=self._tag())]
         if isinstance(prompt, np.ndarray):
             prompt = prompt.tolist()
         elif isinstance(prompt, list):
@@ -335,8 +333,7 @@ class MultiBenchmarkSource(PromptSource):
         return self.offsets[-1]
 
     def get(self, index: int) -> Prompt:
-        if not 0 <= index < len(self):
-            raise IndexError(f"prompt {index} out of range [0, {len(self)})")
+        check_index(index, len(self))
         k = bisect.bisect_right(self.offsets, index) - 1
         inner = self.sources[k].get(index - self.offsets[k])
         metadata = dict(inner.metadata)
