@@ -15,7 +15,7 @@ The service reads one token per scope from its environment: ``ASTRALIGHT_ROLLOUT
 ``ASTRALIGHT_TRAINER_TOKEN``, ``ASTRALIGHT_ADMIN_TOKEN``, or from the file that
 ``ASTRALIGHT_ROLLOUT_TOKEN_FILE`` (..._TRAINER_..., ..._ADMIN_...) names (one line; the variable
 wins when both are set). ``ASTRALIGHT_TOKEN`` (or ``ASTRALIGHT_TOKEN_FILE``) is the single-token
-mode, unchanged: it grants every scope, alone or next to scoped tokens. With none of them set the
+mode: it grants every scope, alone or next to scoped tokens. With none of them set the
 service has no auth (loopback only, see :func:`astralight.dataflow.service.check_bind`).
 
 A client presents ``ASTRALIGHT_TOKEN`` (or ``ASTRALIGHT_TOKEN_FILE``): set it, in each process,
@@ -38,12 +38,12 @@ push, push_many, return, deregister and drain of that instance then need it in t
 another instance gets the same answer, and the RaaS drops it).
 :class:`~astralight.dataflow.client.DataflowClient` stores the secret (per dataflow URL and
 instance, shared by every client of the process, so the RaaS's heartbeat, push and goodbye
-threads all send it) and sends it by itself. Registering a known instance again needs its secret while the
-instance is live (not ``left``, heard from within ``lease_seconds``); after that anyone holding
-the rollout scope may take the id over, which issues a new secret. The secrets are kept as
-SHA-256 digests in the service state (SQLite ``meta``), so they survive a restart of the
-service. The admin scope (hence the single-token mode and the no-token mode) acts as any
-instance without a secret: those modes behave as before.
+threads all send it) and sends it by itself. Registering a known instance again needs its
+secret while the instance is live (not ``left``, heard from within ``lease_seconds``); after
+that anyone holding the rollout scope may take the id over, which issues a new secret. The
+secrets are kept as SHA-256 digests in the service state (SQLite ``meta``), so they survive a
+restart of the service. The admin scope (hence the single-token mode and the no-token mode)
+acts as any instance without a secret: in those modes no instance needs one.
 
 **Browser guards** (:class:`AccessGuard`), every mode: a request carrying ``Origin`` is refused
 (403); a request with a body must be ``Content-Type: application/msgpack`` (a weight upload
@@ -171,7 +171,7 @@ class Principal:
             f"the {self.scope} scope{bound}"
 
 
-#: the caller when the service has no token at all: everything is open, as it always was
+#: the caller when the service has no token at all: everything is open
 OPEN = Principal(ADMIN, source="no token configured")
 
 
@@ -507,7 +507,7 @@ class InstanceSecrets:
 
     def matches(self, instance_id: str, secret: str | None) -> bool | None:
         """True / False: the instance holds a secret and ``secret`` is it / is not; None: the
-        instance holds none (unknown, or registered before instances were bound)."""
+        instance holds none (unknown, or its registration stored no secret)."""
         stored = self.digest(instance_id)
         if stored is None:
             return None

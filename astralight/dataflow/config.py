@@ -233,7 +233,7 @@ class DataflowConfig:
             fsync of its WAL covers every commit made meanwhile, so concurrent pushes share it;
             every request is still answered only once its commits are on disk
             (:mod:`astralight.dataflow.durability`). false: SQLite fsyncs inside every commit,
-            under the service lock (one fsync per request, as before).
+            under the service lock (one fsync per request).
     """
 
     host: str = "127.0.0.1"

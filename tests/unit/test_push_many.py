@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from astralight.dataflow import app as app_module
+from astralight.dataflow import routes_tasks as app_module
 from astralight.dataflow.app import create_app
 from astralight.dataflow.client import DataflowClient, DataflowError
 from astralight.dataflow.config import DataflowConfig
