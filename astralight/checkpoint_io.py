@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from astralight.atomic_files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +48,6 @@ def _is_local(path: Any) -> bool:
 def _local(path: Any) -> Path:
     text = str(path)
     return Path(text[len("file://"):] if text.startswith("file://") else text)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same folder: fsync, rename, fsync dir."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a writer killed mid-write
-        stale.unlink(missing_ok=True)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -44,7 +44,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from astralight.checkpoint_io import fsync_dir as _fsync  # (open read-only + fsync: files too)
+from astralight.atomic_files import fsync_dir as _fsync  # (open read-only + fsync: files too)
 
 log = logging.getLogger(__name__)
 

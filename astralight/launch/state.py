@@ -5,9 +5,10 @@ continues from."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from astralight.atomic_files import atomic_write_bytes
 
 if TYPE_CHECKING:
     from astralight.launch.components import Component
@@ -16,19 +17,8 @@ if TYPE_CHECKING:
 
 def write_atomic(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` so that a reader (or a crash) sees the old file or the new one,
-    never half of one: a temp file in the same folder, fsynced, renamed over, the folder fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    never half of one (:func:`astralight.atomic_files.atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode())
     return path
 
 

@@ -21,7 +21,7 @@ def test_save_writes_through_a_temp_in_the_same_folder(tmp_path, monkeypatch):
         seen.append((src, dst))
         return real_replace(src, dst)
 
-    monkeypatch.setattr("astralight.checkpoint_io.os.replace", spy)
+    monkeypatch.setattr("astralight.atomic_files.os.replace", spy)
     path = tmp_path / "ckpt" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 3, "w": torch.ones(4)}, path)
     [(src, dst)] = seen
@@ -38,7 +38,7 @@ def test_a_failed_write_keeps_the_previous_file_and_no_temp(tmp_path, monkeypatc
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("astralight.checkpoint_io.os.fsync", boom)
+    monkeypatch.setattr("astralight.atomic_files.os.fsync", boom)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"old"
