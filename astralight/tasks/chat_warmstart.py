@@ -9,7 +9,7 @@ skill it also teaches.
 
 A conversation is a list of messages ending in an assistant turn. Every assistant turn is trained
 (its text and its ``<|im_end|>``); everything else is context. Same optimiser, schedule and
-clipping as the arithmetic warm start (:func:`astralight.tasks.warmstart._sft`).
+clipping as the arithmetic warm start (:func:`astralight.tasks.sft_loop.sft`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from astralight.agents.chat import ChatTranscript, encode
 from astralight.engine import Completion
-from astralight.tasks.warmstart import Progress, _build_folder, _sft
+from astralight.tasks.sft_loop import Progress, sft
+from astralight.tasks.warmstart_folder import build_folder
 from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec, build_chat_model, build_chat_tokenizer
 
 Conversation = Sequence[dict]
@@ -79,7 +80,7 @@ def train_chat_warmstart(conversations: Sequence[Conversation], tools: list | No
     model = build_chat_model(spec or CHAT_MODEL_SPEC)
     ids, attn, mask = encode_conversations(tokenizer, conversations, tools,
                                            model.config.max_position_embeddings)
-    _sft(model, ids, attn, mask, torch.zeros_like(mask), torch.tensor([0]), sft_steps, lr,
+    sft(model, ids, attn, mask, torch.zeros_like(mask), torch.tensor([0]), sft_steps, lr,
          batch_size, seed, 0.0, progress)
     return model, tokenizer
 
@@ -95,5 +96,5 @@ def build_chat_policy(out_dir: str | Path, conversations: Callable[[], Sequence[
               "sft_steps": sft_steps, "lr": lr, "batch_size": batch_size, "seed": seed}
     record = {"sft_steps": sft_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
               "conversations": len(kwargs["conversations"]), **(provenance or {})}
-    return _build_folder(out_dir, train_chat_warmstart, kwargs, record, sft_steps, progress,
+    return build_folder(out_dir, train_chat_warmstart, kwargs, record, sft_steps, progress,
                          num_threads)

@@ -30,7 +30,7 @@ from astralight.agents.tools import Tool
 from astralight.tasks.chat_warmstart import build_chat_policy
 from astralight.tasks.qa import QASource
 from astralight.tasks.tool_warmstart import tool_call_text
-from astralight.tasks.warmstart import Progress
+from astralight.tasks.sft_loop import Progress
 from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec
 
 __all__ = ["SEARCH_SYSTEM_PROMPT", "SEARCH_TOOL_ARGS", "search_conversations",

@@ -24,7 +24,7 @@ Two kinds of model:
 
 Each example is ``prompt + target + EOS``, tokenized without special tokens (as the RaaS's
 single-turn workflow does unless told otherwise: no BOS), the loss on target and EOS tokens only.
-The loop is the shipped warm starts' (:func:`astralight.tasks.warmstart._sft`: AdamW, linear
+The loop is the shipped warm starts' (:func:`astralight.tasks.sft_loop.sft`: AdamW, linear
 warm-up then cosine decay to 10% of ``lr``, grad-norm clip 1.0, seeded batches); optional label
 smoothing spreads ``label_smoothing`` over the tokens the targets use. The folder is written
 next to ``out_dir`` and renamed into place (a crash never leaves a half-written model), with
@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from astralight.tasks.warmstart import (Progress, _sft, check_sft_args, pad_examples,
-                                        print_progress)
+from astralight.tasks.sft_loop import Progress, check_sft_args, pad_examples, print_progress, sft
 from astralight.tinymodel import CHARACTERS, TinyModelSpec
 
 DEFAULT_SFT_STEPS = 300
@@ -77,7 +76,7 @@ def read_pairs(data_path: str | Path, prompt_key: str = "prompt",
 
 
 def _tiny_model(spec: TinyModelSpec | dict | None, pairs: list[tuple[str, str]]):
-    from astralight.tasks.warmstart import _as_spec
+    from astralight.tasks.warmstart_folder import as_spec
     from astralight.tinymodel import build_model, build_tokenizer
 
     alphabet = set(CHARACTERS)
@@ -87,7 +86,7 @@ def _tiny_model(spec: TinyModelSpec | dict | None, pairs: list[tuple[str, str]])
             raise ValueError(f"data_path: example {number} has characters {unknown} that the tiny "
                              "tokenizer does not know (astralight.tinymodel.CHARACTERS); give "
                              "model_path of a model with its own tokenizer")
-    return build_model(_as_spec(spec)), build_tokenizer()
+    return build_model(as_spec(spec)), build_tokenizer()
 
 
 def _hf_model(model_path: str):
@@ -137,7 +136,7 @@ def train_sft(pairs: list[tuple[str, str]], model_path: str | None = None,
     max_length = getattr(model.config, "max_position_embeddings", None)
     ids, attn, loss_mask = encode_pairs(tokenizer, pairs, max_length)
     support = torch.unique(ids[loss_mask > 0])  # the tokens targets use (smoothing's support)
-    _sft(model, ids, attn, loss_mask, torch.ones_like(loss_mask), support, sft_steps, lr,
+    sft(model, ids, attn, loss_mask, torch.ones_like(loss_mask), support, sft_steps, lr,
          batch_size, seed, label_smoothing, progress)
     model.eval()
     return model, tokenizer
@@ -201,9 +200,9 @@ def _vocab_size(model_path: str | None = None, spec: TinyModelSpec | dict | None
     it is built (:func:`astralight.launch.prepared_vocab_size`): the tiny model's, or what a
     local ``model_path``'s ``config.json`` says (None for a hub id)."""
     if model_path is None:
-        from astralight.tasks.warmstart import _as_spec
+        from astralight.tasks.warmstart_folder import as_spec
 
-        return _as_spec(spec).vocab_size
+        return as_spec(spec).vocab_size
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):

@@ -30,7 +30,7 @@ from astralight.agents.tools import Tool
 from astralight.agents.toy_tools import add
 from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.chat_warmstart import build_chat_policy
-from astralight.tasks.warmstart import Progress
+from astralight.tasks.sft_loop import Progress
 from astralight.tinymodel import CHAT_MODEL_SPEC
 
 #: the toy tool task's prompt source arguments (besides split/seed)

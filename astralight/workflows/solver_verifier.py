@@ -85,7 +85,7 @@ PAPER_REJECT_PATTERN = r"<verify>\s*reject\s*</verify>"
 #: whole retry prompt for two-digit operands is ~20 tokens, far inside max_model_len 64):
 #: solver "37+45=" -> "81"; verifier "37+45=81?" -> its own sum, then the verdict letter: "82N"
 #: (the toy verifier "shows its work" like the paper's: a 2-layer model judging with a bare Y/N
-#: cannot learn to compare digits, measured in astralight.tasks.warmstart); retry
+#: cannot learn to compare digits, measured in astralight.tasks.solver_verifier_warmstart); retry
 #: "37+45=81?82N;37+45=" -> "82". A verdict is exactly [-]digits then Y or N; anything else is
 #: invalid (reward 0, the solver retries).
 TOY_TEMPLATES = {

@@ -1,7 +1,7 @@
 """The solver-verifier warm starts (verifier, retry-aware solver) and their prepare function.
 
 Tiny step counts: these check formats, masks and plumbing; the accuracies the defaults reach are
-measured by hand (see the comment block above ``DEFAULT_VERIFIER_STEPS`` in warmstart.py).
+measured by hand (see the astralight.tasks.solver_verifier_warmstart docstring).
 """
 
 from __future__ import annotations
