@@ -4,7 +4,7 @@ The dataflow sees both sides of the system: what the rollout services produce (p
 dropped as stale) and what the trainers consume (samples in acknowledged batches, with the time
 each trainer waited for its batch and the time its whole step took, reported with the ack). Over
 a window of trainer versions it computes the trainer wait fraction ``w = sum(wait) / sum(step)``
-and the three-zone decision of ARCHITECTURE.md ("Elasticity and the balance report"):
+and the three-zone decision of astralight/ARCHITECTURE.md ("Elasticity and the balance report"):
 
 - ``w > tau_high``: the trainer starves, ``scale_up`` to ``ceil(G / (1 - w))``;
 - ``w < tau_low`` and both counts positive: rollout overproduces, ``scale_down`` to
@@ -136,3 +136,19 @@ def window_report(per_version: dict[int, dict[str, int]], first: int, last: int,
         "decision": asdict(decision),
         **({"agent": agent} if (agent := agent_window(agent_sums)) else {}),
     }
+
+
+def pool_report(per_version: dict[int, dict[str, int]], first: int, last: int,
+                instances: list[dict], pool: int | None, wall_s: float | None,
+                **labels: object) -> dict:
+    """:func:`window_report` with ``labels`` (the policy and its current version), the instance
+    table ``instances`` (the live ones set G when ``pool`` is None, and their capacity units
+    normalise the throughput) and the weight-update pauses the instances reported."""
+    live = [r for r in instances if r["live"]]
+    report = window_report(per_version, first, last, pool if pool is not None else len(live),
+                           wall_s=wall_s, capacity_units=sum(r["capacity_units"] for r in live))
+    report.update(labels)
+    report.update(live_instances=len(live), instances=instances,
+                  weight_pause_s=round(sum(float(r["reported"].get("weight_pause_s", 0))
+                                           for r in instances), 4))
+    return report

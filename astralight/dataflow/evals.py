@@ -8,12 +8,14 @@ correct samples, reward sum and the policy versions that actually generated the 
 results are aggregated on read: avg@k (mean reward) and the unbiased pass@k for every k of
 ``eval.pass_k``, overall, per benchmark and averaged over benchmarks. A few sample completions
 per evaluated version are kept in memory (:class:`CompletionLog`) for the trainer's table of
-completions (``GET /v1/eval/{model_id}/{version}/completions``).
+completions (``GET /v1/eval/{model_id}/{version}/completions``). :class:`EvalScheduler` is what
+the service core holds of all this: when to schedule, and recording a pushed eval task.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
 import weakref
 
@@ -21,9 +23,15 @@ import numpy as np
 
 from astralight.agents.stats import tool_calls_of
 
+from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.parts import Part, Shared
+from astralight.dataflow.rows import EvalReportRow, EvalRunRow, TaskRow
 from astralight.dataflow.store import Store
+from astralight.dataflow.transaction import Transaction
 from astralight.protocol import Sample, Task, encode
 from astralight.tasks.base import PromptSource
+
+log = logging.getLogger("astralight.dataflow")
 
 #: a sample counts as correct for pass@k when its reward exceeds this
 CORRECT_THRESHOLD = 0.5
@@ -64,6 +72,15 @@ def eval_size(source: PromptSource) -> int:
         raise ValueError(f"eval.source: {type(source).__name__} has {n} prompts; an eval source must "
                          f"be finite (at most {MAX_EVAL_PROMPTS}), e.g. ArithmeticSource(split=eval)")
     return n
+
+
+def check_source(source: PromptSource) -> int:
+    """The prompts of one eval run of ``source``; ValueError when it is empty or too large."""
+    try:
+        source.get(0)  # sources may build their list lazily; len() is final after
+    except IndexError:
+        raise ValueError("eval.source: the eval source is empty") from None
+    return eval_size(source)
 
 
 def schedule(store: Store, source: PromptSource, model_id: str, version: int,
@@ -123,25 +140,24 @@ def summarize(samples: list[Sample]) -> dict:
     }
 
 
-def run_settings(run) -> tuple[int, int, list[int]]:
+def run_settings(run: EvalRunRow) -> tuple[int, int, list[int]]:
     """``(k, n, pass_ks)`` of an ``eval_runs`` row: the headline k, the samples per prompt and
-    the k values pass@k is reported for. Rows written before ``eval.n`` / ``eval.pass_k`` existed
-    (or read from an unmigrated DB) have neither column: ``n = k`` and ``pass_ks = [k]``."""
-    keys = run.keys() if hasattr(run, "keys") else ()
-    k = int(run["k"])
-    n = run["n"] if "n" in keys and run["n"] is not None else k
+    the k values pass@k is reported for. A state written without the ``n`` / ``pass_k`` columns
+    (an older or unmigrated DB) has neither: ``n = k`` and ``pass_ks = [k]``."""
+    k = int(run.k)
+    n = run.n if run.n is not None else k
     ks = [k]
-    if "pass_k" in keys and run["pass_k"]:
+    if run.pass_k:
         try:
-            ks = sorted({int(x) for x in json.loads(run["pass_k"])} | {k})
+            ks = sorted({int(x) for x in run.pass_k} | {k})
         except (TypeError, ValueError):
             ks = [k]
     return k, int(n), ks
 
 
-def pass_table(rows, ks: list[int]) -> dict[str, float]:
+def pass_table(rows: list[EvalReportRow], ks: list[int]) -> dict[str, float]:
     """``{str(k): mean over prompts of the unbiased pass@k}`` (JSON-safe string keys)."""
-    return {str(j): (sum(pass_at_k(r["n_samples"], r["n_correct"], j) for r in rows) / len(rows)
+    return {str(j): (sum(pass_at_k(r.n_samples, r.n_correct, j) for r in rows) / len(rows)
                      if rows else 0.0) for j in ks}
 
 
@@ -161,39 +177,38 @@ def aggregate(store: Store, model_id: str,
     """
     out: dict[int, dict] = {}
     for run in store.eval_runs(model_id):
-        reports = store.eval_reports(model_id, run["version"])
+        reports = store.eval_reports(model_id, run.version)
         k, n, ks = run_settings(run)
-        n_samples = sum(r["n_samples"] for r in reports)
-        mins = [r["min_version"] for r in reports if r["min_version"] is not None]
-        maxs = [r["max_version"] for r in reports if r["max_version"] is not None]
+        n_samples = sum(r.n_samples for r in reports)
+        mins = [r.min_version for r in reports if r.min_version is not None]
+        maxs = [r.max_version for r in reports if r.max_version is not None]
         passes = pass_table(reports, ks)
-        out[run["version"]] = {
-            "avg_at_k": sum(r["sum_reward"] for r in reports) / n_samples if n_samples else 0.0,
+        result = out[run.version] = {
+            "avg_at_k": sum(r.sum_reward for r in reports) / n_samples if n_samples else 0.0,
             "pass_at_k": passes[str(k)],
             "pass_at": passes,
             "k": k,
             "n": n,
-            "n_prompts": run["n_prompts"],
+            "n_prompts": run.n_prompts,
             "n_reported": len(reports),
             "n_samples": n_samples,
-            "complete": len(reports) >= run["n_prompts"],
+            "complete": len(reports) >= run.n_prompts,
             "min_version": min(mins) if mins else None,
             "max_version": max(maxs) if maxs else None,
-            "scheduled_at": run["scheduled_at"],
+            "scheduled_at": run.scheduled_at,
         }
-        team = [r["n_team_correct"] if "n_team_correct" in r.keys() else None for r in reports]
+        team = [r.n_team_correct for r in reports]
         if reports and all(t is not None for t in team):  # a team workflow (solver + verifier)
-            out[run["version"]]["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
-        calling = [r["n_tool_calling"] if "n_tool_calling" in r.keys() else None for r in reports]
+            result["team_accuracy"] = sum(team) / n_samples if n_samples else 0.0
+        calling = [r.n_tool_calling for r in reports]
         if reports and all(t is not None for t in calling):  # a tool-calling workflow
-            out[run["version"]]["tool_call_rate"] = sum(calling) / n_samples if n_samples else 0.0
+            result["tool_call_rate"] = sum(calling) / n_samples if n_samples else 0.0
         if benchmarks is not None:
-            out[run["version"]].update(per_benchmark(reports, k, run["n_prompts"], benchmarks,
-                                                     ks))
+            result.update(per_benchmark(reports, k, run.n_prompts, benchmarks, ks))
     return out
 
 
-def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str],
+def per_benchmark(reports: list[EvalReportRow], k: int, n_prompts: int, benchmarks: dict[int, str],
                   pass_ks: list[int] | None = None) -> dict:
     """``{"benchmarks": {name: {...}}, "benchmark_average": float | None,
     "benchmark_average_pass_at_k": float | None, "benchmark_average_pass_at": {k: float}}`` of
@@ -205,13 +220,13 @@ def per_benchmark(reports, k: int, n_prompts: int, benchmarks: dict[int, str],
             scheduled[name] = scheduled.get(name, 0) + 1
     groups: dict[str, list] = {name: [] for name in scheduled}
     for r in reports:
-        groups.setdefault(benchmarks.get(r["prompt_index"], "unknown"), []).append(r)
+        groups.setdefault(benchmarks.get(r.prompt_index, "unknown"), []).append(r)
     table = {}
     for name, rows in groups.items():
-        n_samples = sum(r["n_samples"] for r in rows)
+        n_samples = sum(r.n_samples for r in rows)
         passes = pass_table(rows, ks)
         table[name] = {
-            "avg_at_k": sum(r["sum_reward"] for r in rows) / n_samples if n_samples else 0.0,
+            "avg_at_k": sum(r.sum_reward for r in rows) / n_samples if n_samples else 0.0,
             "pass_at_k": passes[str(k)],
             "pass_at": passes,
             "n_prompts": scheduled.get(name, len(rows)),
@@ -334,3 +349,78 @@ class CompletionLog:
     def get(self, model_id: str, version: int, limit: int | None = None) -> list[dict]:
         rows = self._rows.get(model_id, {}).get(version, [])
         return [dict(r) for r in rows[:limit if limit is not None else len(rows)]]
+
+
+class EvalScheduler(Part):
+    """The evals of one service: ``source`` (None: evals are off) scheduled per ``config.eval``
+    for the service's current versions, and pushed eval tasks recorded. Call with the
+    service's lock held."""
+
+    def __init__(self, shared: Shared, source: PromptSource | None):
+        super().__init__(shared)
+        self.source = source
+        #: a few sample completions per evaluated version (in memory; for the trainer's table)
+        self.completions = CompletionLog()
+
+    def schedule(self, model_id: str, version: int, now: float) -> int:
+        """Inside the caller's transaction: :func:`schedule` the eval of ``version`` as the
+        config says (``eval.k``, ``eval.n``, ``eval.pass_k``)."""
+        e = self.config.eval
+        return schedule(self.store, self.source, model_id, version, self.model_ids, e.k,
+                        self.config.workflow, now, n=e.samples(), pass_k=e.pass_ks())
+
+    def maybe_schedule(self, model_id: str, version: int, now: float,
+                       previous: int | None = None) -> int:
+        """Inside the caller's transaction: evaluate ``version`` if it is a multiple of
+        ``eval.every``, or if it is the first published version past one: a WeightPublisher that
+        falls behind publishes only its newest snapshot, and the skipped multiple must not leave
+        a hole in the eval curve."""
+        every = self.config.eval.every
+        crossed = previous is not None and version // every > previous // every
+        if self.source is None or (version % every and not crossed):
+            return 0
+        n = self.schedule(model_id, version, now)
+        if n:
+            log.info("scheduled %d eval tasks for %s version %d", n, model_id, version)
+        return n
+
+    def request(self, model_id: str, version: int, now: float) -> dict:
+        """In its own transaction: evaluate ``version`` of ``model_id`` once, whatever
+        ``eval.every`` says (:meth:`Dataflow.request_eval`). Only the current version can be
+        newly scheduled (409 otherwise), and only with a source (409)."""
+        if self.source is None:
+            raise ServiceError(409, "eval", "this service has no eval.source, so nothing can be "
+                                            "evaluated; set dataflow.eval.source")
+        current = self.versions[model_id]
+        if self.store.eval_run_exists(model_id, version):
+            return {"model_id": model_id, "version": version, "evals_scheduled": 0}
+        if version != current:
+            when = "is not published yet" if version > current else "is not the current one"
+            raise ServiceError(409, "version", (
+                f"version {version} of {model_id!r} {when} (current {current}); only the current "
+                f"version can be evaluated on request (its eval tasks are generated with the "
+                f"weights the RaaS hold)"))
+        with self.store.tx():
+            n = self.schedule(model_id, version, now)
+        log.info("scheduled %d eval tasks for %s version %d on request", n, model_id, version)
+        return {"model_id": model_id, "version": version, "evals_scheduled": n}
+
+    def record(self, tx: Transaction, row: TaskRow, samples: list[Sample], now: float) -> None:
+        """Inside the caller's transaction ``tx``: the report of a pushed eval task (the
+        evaluated policy's samples only; others are counted as ignored) and, after the commit,
+        its completions for the trainer's table."""
+        target = row.target_model
+        mine = [s for s in samples if s.model_id == target]
+        if len(mine) < len(samples):
+            self.bump(target, "eval_samples_ignored", len(samples) - len(mine))
+        if not mine:
+            return
+        self.store.insert_eval_report(target, row.eval_version, row.prompt_index, row.task_id,
+                                      now=now, **summarize(mine))
+        self.bump(target, "eval_samples_accepted", len(mine))
+        prompt = None
+        if self.source is not None and row.prompt_index is not None:
+            with contextlib.suppress(Exception):  # the table is a view: never fail a push for it
+                prompt = self.source.get(int(row.prompt_index)).prompt
+        tx.after_commit(self.completions.add, target, int(row.eval_version),
+                        int(row.prompt_index), prompt, mine)

@@ -1,21 +1,31 @@
-"""Ingest of a task's pushed samples: the checks that refuse them, the sample filters, and
-the group-normalised advantages stored on them.
+"""Ingest of a task's pushed samples: the checks that refuse them, the sample filters, the
+group-normalised advantages stored on them, and :class:`Ingest`, which records a push.
 
-Plain functions over what the service holds (the current versions, the registered limits,
-the config's values), so the :class:`~astralight.dataflow.core.Dataflow` facade calls them
-under its lock and inside or before its transaction as it needs.
+The checks, filters and advantages are plain functions over what the service holds (the current
+versions, the registered limits, the config's values). :class:`Ingest` applies them to one push
+under the service's lock, in one transaction, and registers what follows in memory (the queued
+samples, the curators' outcome, the open task count) to run after its commit.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
 
+from astralight.agents.stats import episode_counts
 from astralight.dataflow import membership
 from astralight.dataflow.errors import ServiceError
-from astralight.dataflow.plugins import DataPlugin
+from astralight.dataflow.evals import EvalScheduler
+from astralight.dataflow.leasing import TaskLeasing
+from astralight.dataflow.plugins import DataPlugin, PromptOutcome
+from astralight.dataflow.pool import Pool
+from astralight.dataflow.parts import Part, Shared
+from astralight.dataflow.queues import QueueEntry
+from astralight.dataflow.rows import TaskRow
+from astralight.dataflow.transaction import Transaction
 from astralight.protocol import (LOGPROB_FLOOR, MAX_VOCAB_SIZE, ProtocolError, Sample,
-                                 check_sample_metadata)
+                                 check_sample_metadata, encode)
 from astralight.rl.advantages import group_stats
 
 #: ``(vocab, vocab_source, max_len, max_len_source)`` a policy's pushed samples must respect
@@ -50,7 +60,7 @@ def sample_limits(instance_id: str, model_id: str, vocab_sizes: Mapping[str, int
     return int(vocab), vsrc, max_len, lsrc
 
 
-def validate_samples(row, model_ids: list[str], samples: list[Sample], *, limit: int,
+def validate_samples(row: TaskRow, model_ids: list[str], samples: list[Sample], *, limit: int,
                      limits_of: Callable[[str], Limits], versions: Mapping[str, int],
                      temperatures: Mapping[str, float]) -> None:
     """Refuse (422 naming ``samples[i].<field>``) a push whose samples the trainer could
@@ -81,9 +91,9 @@ def validate_samples(row, model_ids: list[str], samples: list[Sample], *, limit:
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise ServiceError(422, f"samples[{i}]", "expected a Sample")
-        if s.task_id != row["task_id"]:
+        if s.task_id != row.task_id:
             raise ServiceError(422, f"samples[{i}].task_id",
-                               f"{s.task_id!r} does not match the pushed task {row['task_id']!r}")
+                               f"{s.task_id!r} does not match the pushed task {row.task_id!r}")
         if s.model_id not in model_ids:
             raise ServiceError(422, f"samples[{i}].model_id",
                                f"unknown model_id {s.model_id!r}; task serves {model_ids}")
@@ -95,7 +105,7 @@ def validate_samples(row, model_ids: list[str], samples: list[Sample], *, limit:
         if s.model_id not in limits:  # once per policy and push, not per sample
             limits[s.model_id] = limits_of(s.model_id)
         validate_sample(i, s, limits[s.model_id], versions[s.model_id],
-                        temperatures.get(s.model_id), train=row["kind"] == "train")
+                        temperatures.get(s.model_id), train=row.kind == "train")
 
 
 def validate_sample(i: int, s: Sample, limits: Limits, current: int,
@@ -171,3 +181,107 @@ def assign_advantages(samples: list[Sample]) -> None:
         mean, std, advantages = group_stats([s.reward for s in group])
         for s, adv in zip(group, advantages):
             s.group_mean, s.group_std, s.advantage = mean, std, adv
+
+
+#: the counter each stored state of a pushed train sample counts in
+STATE_COUNTERS = {"queued": "samples_accepted", "stale": "stale_dropped",
+                  "filtered": "samples_filtered"}
+
+
+class Ingest(Part):
+    """Records pushes: eval tasks through ``evals``, train tasks into the service's fresh
+    queues (filled after each commit) with the curators' outcome. Call :meth:`push` with the
+    service's lock held."""
+
+    def __init__(self, shared: Shared, pool: Pool, leasing: TaskLeasing, evals: EvalScheduler,
+                 sample_filters: list[DataPlugin]):
+        super().__init__(shared)
+        self.pool = pool
+        self.leasing = leasing
+        self.evals = evals
+        self.sample_filters = sample_filters
+
+    def push(self, instance_id: str, task_id: str, samples: list[Sample], now: float) -> dict:
+        """Accept a task's samples once; later pushes of the same task are ignored (duplicate).
+
+        The first push is a task done by the pusher (its fail streak reset); when the pusher held
+        the lease, its lease->push seconds count as its busy time and, for an eval task, as eval
+        time of the policies at their current versions (``eval_task_ms``, the balance report)."""
+        self.pool.instance(instance_id)
+        row = self.store.task(task_id)
+        if row is None:
+            raise ServiceError(404, "task_id", f"unknown task {task_id!r}")
+        if row.state == "done":
+            with self.store.tx():
+                for m in row.model_ids:
+                    self.bump(m, "duplicates_ignored")
+                self.store.touch_instance(instance_id, now)
+            return {"accepted": 0, "filtered": 0, "duplicate": True}
+        if row.lease_count == 0:
+            raise ServiceError(409, "task_id", f"task {task_id!r} was never leased")
+        cfg = self.config
+        validate_samples(
+            row, row.model_ids, samples,
+            limit=row.task().n * len(row.model_ids) * cfg.max_samples_per_rollout,
+            limits_of=lambda m: sample_limits(instance_id, m, cfg.vocab_sizes,
+                                              self.pool.instance_limits),
+            versions=self.versions, temperatures=cfg.temperatures)
+        assign_advantages(samples)
+        with self.store.tx() as tx:
+            if row.kind == "eval":  # scored, never queued for training
+                self.evals.record(tx, row, samples, now)
+                accepted = len(samples)
+            else:
+                accepted = self._record_train(tx, row, samples, now)
+                tx.after_commit(self.leasing.count_open, -1)
+            self.store.mark_done(task_id, now)
+            self.store.touch_instance(instance_id, now, pushed=len(samples))
+            busy = None
+            if row.instance_id == instance_id and row.leased_at is not None:
+                busy = max(0.0, now - row.leased_at)
+            self.store.instance_done(instance_id, busy)
+            if row.kind == "eval" and busy is not None:
+                for m in row.model_ids:
+                    if m in self.queues:
+                        self.bump(m, "eval_task_ms", round(1000 * busy))
+            self.leasing.plugin_state.maybe_save(tx, now)
+        return {"accepted": accepted,
+                "filtered": len(samples) - accepted if row.kind == "train" else 0,
+                "duplicate": False}
+
+    def _record_train(self, tx: Transaction, row: TaskRow, samples: list[Sample],
+                      now: float) -> int:
+        """Inside ``tx``: store a train task's samples (queued, filtered, or in sync mode stale),
+        count them and journal the curators' outcome; the queue and the curators follow after
+        the commit. Returns the samples queued."""
+        source, versions = self.leasing.source, self.versions
+        kept, kept_groups, rewards = filter_groups(self.sample_filters, samples)
+        index = int(row.prompt_index) % len(source)
+        outcome = PromptOutcome(prompt_id=source.get(index).prompt_id, prompt_index=index,
+                                version=versions[self.primary], rewards=rewards,
+                                kept=kept_groups)
+        counts: Counter = Counter()
+        sync = self.config.mode == "sync"
+        queued = 0
+        for s in samples:
+            mv = s.min_version
+            if sync and mv < versions[s.model_id]:
+                state = "stale"  # an older round's sample: never trained in sync mode
+            else:
+                state = "queued" if id(s) in kept else "filtered"
+            sid = self.store.insert_sample(row.task_id, s.model_id, s.sample_index, mv,
+                                           s.reward, encode(s), now, state=state)
+            counts[s.model_id, "rollouts_generated"] += 1
+            for name, k in episode_counts(s.metadata).items():
+                counts[s.model_id, name] += k
+            if state == "queued":
+                tx.after_commit(self.queues[s.model_id].push, QueueEntry(sid, mv, s))
+                queued += 1
+            counts[s.model_id, STATE_COUNTERS[state]] += 1
+        for m, group_kept in outcome.kept.items():
+            counts[m, "groups_filtered"] += not group_kept
+        journal_seq = self.leasing.plugin_state.journal("outcome", asdict(outcome))
+        for (m, name), k in counts.items():
+            self.bump(m, name, k)
+        tx.after_commit(self.leasing.plugin_state.apply_outcome, outcome, journal_seq)
+        return queued

@@ -3,22 +3,21 @@
 New train tasks are drawn from the prompt source only while the fresh queues and open tasks
 leave room (``max_inflight_tasks``, ``max_buffered_samples``, each policy's demand cap, and in
 sync mode the round's sample count) and the curators accept the prompt; :meth:`TaskLeasing.issue`
-leases a stored task to an instance. Call every method with the service's lock held; those that
-write do so inside the caller's transaction.
+leases a stored task to an instance and :meth:`TaskLeasing.lease` answers one lease request.
+Call every method with the service's lock held; those that write do so inside the caller's
+transaction, or in their own where they say so.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
 
 from astralight.dataflow import demand
-from astralight.dataflow.config import DataflowConfig
+from astralight.dataflow.parts import Part, Shared
 from astralight.dataflow.plugin_state import PluginState
-from astralight.dataflow.queues import FreshQueue
-from astralight.dataflow.store import Store
-from astralight.protocol import Task, decode, encode
+from astralight.dataflow.rows import InstanceRow, TaskRow
+from astralight.dataflow.transaction import Transaction
+from astralight.protocol import Task, encode
 from astralight.tasks.base import PromptSource
 
 log = logging.getLogger("astralight.dataflow")
@@ -27,26 +26,53 @@ log = logging.getLogger("astralight.dataflow")
 MAX_CURATOR_SKIPS = 10_000
 
 
-class TaskLeasing:
-    """Creates train tasks from ``source`` and leases stored tasks. ``versions``, ``queues``
-    and ``largest_pull`` are the service's own (read, never replaced); ``bump`` counts an
-    event for a model_id (:meth:`Dataflow._bump`)."""
+class TaskLeasing(Part):
+    """Creates train tasks from ``source`` and leases stored tasks; ``largest_pull`` is the
+    service's own (read, never replaced)."""
 
-    def __init__(self, store: Store, config: DataflowConfig, source: PromptSource,
-                 plugin_state: PluginState, versions: dict[str, int],
-                 queues: dict[str, FreshQueue], largest_pull: dict[str, int],
-                 bump: Callable[..., None]):
-        self.store = store
-        self.config = config
+    def __init__(self, shared: Shared, source: PromptSource, plugin_state: PluginState,
+                 largest_pull: dict[str, int]):
+        super().__init__(shared)
         self.source = source
         self.plugin_state = plugin_state
-        self.versions = versions
-        self.queues = queues
         self.largest_pull = largest_pull
-        self.bump = bump
-        self.model_ids = list(config.model_ids)
-        self.primary = self.model_ids[0]
-        self.max_skips = min(config.curator_max_skips or len(source), MAX_CURATOR_SKIPS)
+        self.max_skips = min(self.config.curator_max_skips or len(source), MAX_CURATOR_SKIPS)
+        #: train tasks created and not done yet (mirrors SQLite)
+        self.open_train = self.store.count_open_tasks("train")
+
+    def count_open(self, delta: int) -> None:
+        """After a commit that created (``delta > 0``) or finished (``< 0``) train tasks."""
+        self.open_train += delta
+
+    def lease(self, inst: InstanceRow, max_tasks: int, now: float) -> list[Task]:
+        """In its own transaction: lease ``inst`` up to ``max_tasks`` (its allowance):
+        returned, expired or pending eval tasks, then train tasks, then new ones while
+        :meth:`may_create` allows."""
+        served = set(inst.model_ids)
+        deadline = now + self.config.lease_seconds
+        out: list[Task] = []
+        demands = self.demands() if max_tasks else {}
+        with self.store.tx() as tx:
+            for kind in ("eval", "train"):
+                if len(out) >= max_tasks:
+                    break
+                for row in self.store.leasable_tasks(kind, now):
+                    if len(out) >= max_tasks:
+                        break
+                    if set(row.model_ids) <= served:
+                        out.append(self.issue(row, inst.instance_id, deadline, now))
+            created = 0
+            while (len(out) < max_tasks and set(self.model_ids) <= served
+                   and self.may_create(self.open_train + created, demands)):
+                # a run of rejections ends with each task created (in memory: at the commit)
+                row = self.create_train_task(tx, now, skip_run=0 if created else None)
+                created += 1
+                out.append(self.issue(row, inst.instance_id, deadline, now))
+            self.store.touch_instance(inst.instance_id, now, leased=len(out))
+            if created:
+                self.plugin_state.maybe_save(tx, now)
+                tx.after_commit(self.count_open, created)
+        return out
 
     def may_create(self, open_train: int,
                    demands: dict[str, demand.Demand] | None = None) -> bool:
@@ -93,8 +119,8 @@ class TaskLeasing:
         rnd = self._round()
         if rnd is None:
             return False
-        open_round = sum(1 for r in self.store.open_task_payloads("train")  # incl. this call's
-                         if decode(bytes(r["payload"])).min_versions.get(self.primary) == rnd)
+        open_round = sum(1 for t in self.store.open_tasks("train")  # incl. this call's
+                         if t.min_versions.get(self.primary) == rnd)
         expected = open_round * self.config.group_size
         for m in self.model_ids:  # samples_accepted at version rnd: this round's (older: dropped)
             accepted = self.store.version_counters(m, since=rnd).get(rnd, {}).get(
@@ -103,30 +129,35 @@ class TaskLeasing:
                 return True
         return False
 
-    def create_train_task(self, now: float):
-        """Draw the next prompt the curators accept and store it as a train task.
+    def create_train_task(self, tx: Transaction, now: float,
+                          skip_run: int | None = None) -> TaskRow:
+        """Inside the caller's transaction ``tx``: draw the next prompt the curators accept and
+        store it as a train task.
 
         Every rejected prompt is counted (``prompts_skipped``) and the source moves on; after
         ``curator_max_skips`` consecutive rejections the next prompt goes through anyway
         (``prompts_forced``), so a curator that rejects everything slows the stream, never stops it.
+        The run of rejections continues from ``skip_run`` (None: the one stored with the
+        plugin state) and ends, ``skip_run`` back to 0, with the commit.
         """
         cursor = int(self.store.get_meta("source_cursor", 0))
         version = self.versions[self.primary]
+        skip_run = self.plugin_state.skip_run if skip_run is None else skip_run
         while True:
             prompt = self.source.get(cursor % len(self.source))
             if all(c.should_submit(prompt, version) for c in self.plugin_state.curators):
                 break
-            if self.plugin_state.skip_run >= self.max_skips:
+            if skip_run >= self.max_skips:
                 log.warning("curators rejected %d prompts in a row; submitting %s anyway "
-                            "(curator_max_skips)", self.plugin_state.skip_run, prompt.prompt_id)
+                            "(curator_max_skips)", skip_run, prompt.prompt_id)
                 for m in self.model_ids:
                     self.bump(m, "prompts_forced")
                 break
-            self.plugin_state.skip_run += 1
+            skip_run += 1
             cursor += 1
             for m in self.model_ids:
                 self.bump(m, "prompts_skipped")
-        self.plugin_state.skip_run = 0
+        tx.after_commit(self.plugin_state.reset_skip_run)
         task = Task(task_id=f"train:{cursor}", prompt=prompt.prompt, n=self.config.group_size,
                     model_ids=list(self.model_ids), workflow=self.config.workflow, kind="train",
                     metadata=dict(prompt.metadata))
@@ -139,21 +170,21 @@ class TaskLeasing:
             self.bump(m, "prompts_submitted")
         return self.store.task(task.task_id)
 
-    def issue(self, row, instance_id: str, deadline: float, now: float) -> Task:
+    def issue(self, row: TaskRow, instance_id: str, deadline: float, now: float) -> Task:
         """Inside the caller's transaction: lease the task of ``row`` to ``instance_id`` until
         ``deadline``; an expired lease counts as a failure of the instance that held it."""
-        task: Task = decode(bytes(row["payload"]))
+        task = row.task()
         task.lease_deadline = deadline
-        expired = row["state"] == "leased"  # leasable and leased: its deadline passed
-        if expired and row["instance_id"]:  # before mark_leased overwrites the holder
-            self.store.instance_failed(row["instance_id"])
-        self.store.mark_leased(row["task_id"], instance_id, deadline, now)
-        prefix = "eval_" if row["kind"] == "eval" else ""
-        name = "tasks_reissued" if row["lease_count"] > 0 else "tasks_issued"
-        for m in json.loads(row["model_ids"]):
+        expired = row.state == "leased"  # leasable and leased: its deadline passed
+        if expired and row.instance_id:  # before mark_leased overwrites the holder
+            self.store.instance_failed(row.instance_id)
+        self.store.mark_leased(row.task_id, instance_id, deadline, now)
+        prefix = "eval_" if row.kind == "eval" else ""
+        name = "tasks_reissued" if row.lease_count > 0 else "tasks_issued"
+        for m in row.model_ids:
             self.bump(m, prefix + name)
-        if row["lease_count"] > 0:
-            log.info("re-issued %s to %s (%s)", row["task_id"], instance_id,
-                     f"lease {row['lease_count']} of {row['instance_id']} expired" if expired
-                     else f"returned by {row['instance_id']}")
+        if row.lease_count > 0:
+            log.info("re-issued %s to %s (%s)", row.task_id, instance_id,
+                     f"lease {row.lease_count} of {row.instance_id} expired" if expired
+                     else f"returned by {row.instance_id}")
         return task

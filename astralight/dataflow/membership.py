@@ -33,12 +33,12 @@ feed them hand-made values.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from typing import Any, Iterable, Mapping
 
 from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.rows import InstanceRow
 from astralight.protocol import MAX_ARRAY_ELEMENTS, MAX_VOCAB_SIZE
 
 #: stored states (what the instance or an operator asked for)
@@ -116,40 +116,41 @@ def lease_allowance(requested: int, *, capacity: int, held: int, state: str = AC
     return max(0, min(requested, limit - held))
 
 
-def instance_row(row: Mapping, now: float, held: int, lease_seconds: float,
+def instance_row(row: InstanceRow | Mapping, now: float, held: int, lease_seconds: float,
                  suspect_failures: int = 3) -> dict:
     """One row of the instance table (``/v1/stats["instances"]``, the balance report) from a
-    stored instance row; ``throughput_share`` is added by :func:`instance_table`."""
-    idle = now - row["last_seen"]
-    end = row["left_at"] if row["state"] == LEFT and row["left_at"] is not None else row["last_seen"]
-    alive = max(0.0, float(row["alive_prior_s"]) + end - row["registered_at"])
-    mean = mean_task_s(float(row["busy_s"]), int(row["tasks_timed"]))
-    model_ids = row["model_ids"]
+    stored instance row (a mapping of its columns is read as one: :meth:`InstanceRow.of`);
+    ``throughput_share`` is added by :func:`instance_table`."""
+    row = InstanceRow.of(row)
+    idle = now - row.last_seen
+    end = row.left_at if row.state == LEFT and row.left_at is not None else row.last_seen
+    alive = max(0.0, float(row.alive_prior_s) + end - row.registered_at)
+    mean = mean_task_s(float(row.busy_s), int(row.tasks_timed))
     return {
-        "instance_id": row["instance_id"],
-        "model_ids": json.loads(model_ids) if isinstance(model_ids, str) else list(model_ids),
-        "capacity": row["capacity"], "capacity_units": float(row["capacity_units"]),
-        "state": row["state"],
-        "status": status(row["state"], idle, row["fail_streak"], lease_seconds, suspect_failures),
-        "live": is_live(row["state"], idle, lease_seconds),
-        "registered_at": row["registered_at"], "left_at": row["left_at"],
-        "last_seen": row["last_seen"], "idle_s": round(idle, 3), "alive_s": round(alive, 3),
-        "in_flight": held, "reported_in_flight": row["reported_in_flight"],
-        "tasks_leased": row["tasks_leased"], "tasks_done": row["tasks_done"],
-        "tasks_failed": row["tasks_failed"], "tasks_returned": row["tasks_returned"],
-        "fail_streak": row["fail_streak"],
+        "instance_id": row.instance_id, "model_ids": list(row.model_ids),
+        "capacity": row.capacity, "capacity_units": float(row.capacity_units),
+        "state": row.state,
+        "status": status(row.state, idle, row.fail_streak, lease_seconds, suspect_failures),
+        "live": is_live(row.state, idle, lease_seconds),
+        "registered_at": row.registered_at, "left_at": row.left_at,
+        "last_seen": row.last_seen, "idle_s": round(idle, 3), "alive_s": round(alive, 3),
+        "in_flight": held, "reported_in_flight": row.reported_in_flight,
+        "tasks_leased": row.tasks_leased, "tasks_done": row.tasks_done,
+        "tasks_failed": row.tasks_failed, "tasks_returned": row.tasks_returned,
+        "fail_streak": row.fail_streak,
         "mean_task_s": round(mean, 4) if mean is not None else None,
-        "samples_pushed": row["samples_pushed"],
-        "samples_per_s": round(row["samples_pushed"] / alive, 4) if alive > 0 else 0.0,
-        "limits": stored_limits(row),
+        "samples_pushed": row.samples_pushed,
+        "samples_per_s": round(row.samples_pushed / alive, 4) if alive > 0 else 0.0,
+        "limits": dict(row.limits),
     }
 
 
-def instance_table(rows: Iterable[Mapping], now: float, held: Mapping[str, int],
+def instance_table(rows: Iterable[InstanceRow | Mapping], now: float, held: Mapping[str, int],
                    lease_seconds: float, suspect_failures: int = 3) -> list[dict]:
     """The instance table, with each instance's share of all samples pushed."""
-    table = [instance_row(r, now, held.get(r["instance_id"], 0), lease_seconds, suspect_failures)
-             for r in rows]
+    typed = [InstanceRow.of(r) for r in rows]
+    table = [instance_row(r, now, held.get(r.instance_id, 0), lease_seconds, suspect_failures)
+             for r in typed]
     total = sum(r["samples_pushed"] for r in table) or 1
     for r in table:
         r["throughput_share"] = round(r["samples_pushed"] / total, 4)
@@ -218,19 +219,6 @@ def check_limits(limits: Any, model_ids: list[str], field: str = "limits") -> di
         if clean:
             out[mid] = clean
     return out
-
-
-def stored_limits(row: Mapping) -> dict:
-    """The limits an instance row holds (``{}`` for none, or a row from before limits existed)."""
-    keys = row.keys() if hasattr(row, "keys") else ()
-    raw = row["limits"] if "limits" in keys else None
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def vocab_conflict(model_id: str, vocab_size: int, others: Iterable[tuple[str, Mapping]]

@@ -7,14 +7,15 @@ every curator event (a push's :class:`PromptOutcome`, a publication's version) i
 the transaction that records it, so replaying the journal after the last snapshot brings the
 curators back to exactly the state they had at a kill -9.
 
-The methods named "inside the caller's transaction" only write to the store; the in-memory
-plugins follow in :meth:`PluginState.apply_outcome` / :meth:`PluginState.apply_version`, which
-the caller runs after the commit.
+The methods named "inside the caller's transaction" only write to the store (and register what
+follows in memory with the transaction); the in-memory plugins follow in
+:meth:`PluginState.apply_outcome` / :meth:`PluginState.apply_version`, which the caller registers
+to run after the commit (:meth:`Transaction.after_commit
+<astralight.dataflow.transaction.Transaction.after_commit>`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from astralight.dataflow.plugins import DataPlugin, PromptOutcome
 from astralight.dataflow.store import Store
+from astralight.dataflow.transaction import Transaction
 
 log = logging.getLogger("astralight.dataflow")
 
@@ -84,13 +86,12 @@ class PluginState:
         after the snapshot are not replayed: its generator continues from the snapshot.)"""
         self.journal_applied = after
         rows = self.store.journal_after(after)
-        for row in rows:
-            data = json.loads(row["data"])
-            if row["kind"] == "outcome":
-                self._update(PromptOutcome(**data))
-            elif row["kind"] == "version":
-                self._on_version(int(data["version"]))
-            self.journal_applied = int(row["seq"])
+        for entry in rows:
+            if entry.kind == "outcome":
+                self._update(PromptOutcome(**entry.data))
+            elif entry.kind == "version":
+                self._on_version(int(entry.data["version"]))
+            self.journal_applied = int(entry.seq)
         if rows:
             log.info("curators: %d journal entries after the last snapshot replayed", len(rows))
 
@@ -119,9 +120,9 @@ class PluginState:
         for curator in self.curators:
             curator.on_version(version)
 
-    def save(self, now: float) -> None:
-        """Inside the caller's transaction: persist every plugin's state and generator, and
-        drop the journal entries the snapshot covers."""
+    def save(self, tx: Transaction, now: float) -> None:
+        """Inside the caller's transaction ``tx``: persist every plugin's state and generator,
+        and drop the journal entries the snapshot covers."""
         for name, plugin in self.named().items():
             self.store.save_plugin_state(name, class_path(plugin),
                                          {"rng": plugin.rng.bit_generator.state,
@@ -129,9 +130,14 @@ class PluginState:
         self.store.set_meta("plugin_run_state", {"skip_run": self.skip_run,
                                                  "journal_seq": self.journal_applied})
         self.store.truncate_journal(self.journal_applied)
-        self.saved_at = now
+        tx.after_commit(setattr, self, "saved_at", now)
 
-    def maybe_save(self, now: float) -> None:
-        """Inside the caller's transaction: :meth:`save` when ``every_s`` passed since the last."""
+    def maybe_save(self, tx: Transaction, now: float) -> None:
+        """Inside the caller's transaction ``tx``: :meth:`save` when ``every_s`` passed since
+        the last."""
         if now - self.saved_at >= self.every_s:
-            self.save(now)
+            self.save(tx, now)
+
+    def reset_skip_run(self) -> None:
+        """After the commit of a created train task: the curators' rejection run is over."""
+        self.skip_run = 0

@@ -101,6 +101,10 @@ class ReplayPool:
             evicted.append(self._entries.pop(min(self._entries)))
         return evicted
 
+    def evictions(self, n: int) -> int:
+        """How many entries :meth:`add` of ``n`` new entries would evict, in all."""
+        return max(0, len(self._entries) + n - self.capacity)
+
     def drop_stale(self, version: int) -> list[ReplayEntry]:
         """Remove and return (oldest first) the entries with
         ``version - min_version > max_staleness``."""

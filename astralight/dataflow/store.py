@@ -5,8 +5,9 @@ msgpack-encoded :class:`Sample`), served batches until acknowledged (with their 
 ``renewed_at``), published versions and their manifests and publication times, eval reports,
 counters, the prompt-source cursor, registered instances (their capacity, state and health
 counters, and the limits their engines registered), the data plugins' state snapshots and the
-curator journal (what the curators learned since the last snapshot). The in-memory fresh queues are a cache rebuilt from the ``samples``
-table on start.
+curator journal (what the curators learned since the last snapshot). The in-memory fresh queues
+are a cache rebuilt from the ``samples`` table on start. Queries return the typed rows of
+:mod:`astralight.dataflow.rows` (JSON columns decoded there, once), never ``sqlite3.Row``.
 
 Durability: with ``group_commit`` (what the service uses by default) SQLite runs with
 ``synchronous=NORMAL`` and :class:`~astralight.dataflow.durability.GroupSync` fsyncs the WAL for
@@ -27,6 +28,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from astralight.dataflow.durability import GroupSync, fsync_path
+from astralight.dataflow.rows import (BatchRow, EvalReportRow, EvalRunRow, InstanceRow,
+                                      JournalEntry, SampleRow, TaskRow, VersionRow)
+from astralight.dataflow.transaction import Transaction
+from astralight.protocol import Task, decode
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -97,7 +102,7 @@ CREATE TABLE IF NOT EXISTS plugin_journal (
 MIGRATIONS = {
     # n_tool_calling: first-attempt samples whose episode called a tool (NULL: no tool workflow)
     "eval_reports": [("n_team_correct", "INTEGER"), ("n_tool_calling", "INTEGER")],
-    # samples per eval prompt (NULL: k, as before eval.n existed) and the pass@k k values as a
+    # samples per eval prompt (NULL: k, a state written without the column) and the pass@k k values as a
     # JSON list (NULL: [k])
     "eval_runs": [("n", "INTEGER"), ("pass_k", "TEXT")],
     "instances": [("capacity_units", "REAL NOT NULL DEFAULT 1.0"),
@@ -158,17 +163,24 @@ class Store:
     # ------------------------------------------------------------------ plumbing
 
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
+    def tx(self, tx: Transaction | None = None) -> Iterator[Transaction]:
         """One write transaction; committed on exit (numbered in :attr:`durability`; fsynced
-        there, or here without group commit), rolled back on error."""
-        self.conn.execute("BEGIN IMMEDIATE")
+        there, or here without group commit), rolled back on error or when the commit fails.
+        Yields the :class:`Transaction` (``tx``, or a new one) whose after-commit actions run
+        once ``COMMIT`` succeeded and whose undo actions run on a rollback, a failed ``BEGIN``
+        included (see :mod:`astralight.dataflow.transaction`)."""
+        tx = Transaction() if tx is None else tx
         try:
-            yield self.conn
+            self.conn.execute("BEGIN IMMEDIATE")
+            yield tx
+            self.conn.execute("COMMIT")
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            tx.rolled_back()
             raise
-        self.conn.execute("COMMIT")
         self.durability.committed()
+        tx.committed()
 
     def close(self) -> None:
         """Make every commit durable, checkpoint the WAL into the database and close."""
@@ -233,10 +245,10 @@ class Store:
                                 (kind, json.dumps(data)))
         return int(cur.lastrowid)
 
-    def journal_after(self, seq: int) -> list[sqlite3.Row]:
+    def journal_after(self, seq: int) -> list[JournalEntry]:
         """Journal entries newer than ``seq``, oldest first."""
-        return self.conn.execute("SELECT seq, kind, data FROM plugin_journal WHERE seq>?"
-                                 " ORDER BY seq", (seq,)).fetchall()
+        return [JournalEntry.of(r) for r in self.conn.execute(
+            "SELECT seq, kind, data FROM plugin_journal WHERE seq>? ORDER BY seq", (seq,))]
 
     def truncate_journal(self, through: int) -> None:
         """Forget entries a plugin snapshot already holds (seq <= ``through``)."""
@@ -250,9 +262,10 @@ class Store:
 
     # ------------------------------------------------------------------ instances
 
-    def instance(self, instance_id: str) -> sqlite3.Row | None:
-        return self.conn.execute("SELECT * FROM instances WHERE instance_id=?",
-                                 (instance_id,)).fetchone()
+    def instance(self, instance_id: str) -> InstanceRow | None:
+        row = self.conn.execute("SELECT * FROM instances WHERE instance_id=?",
+                                (instance_id,)).fetchone()
+        return InstanceRow.of(row) if row is not None else None
 
     def upsert_instance(self, instance_id: str, model_ids: list[str], capacity: int, meta: dict,
                         now: float, capacity_units: float = 1.0,
@@ -275,11 +288,11 @@ class Store:
                 (instance_id, json.dumps(model_ids), capacity, json.dumps(meta), now, now,
                  capacity_units, limits_json))
             return
-        prior, start = float(row["alive_prior_s"]), row["registered_at"]
-        if row["state"] == "left" and row["left_at"] is not None:
-            prior, start = prior + max(0.0, row["left_at"] - start), now
-        elif lease_seconds is not None and now - row["last_seen"] > lease_seconds:
-            prior, start = prior + max(0.0, row["last_seen"] - start), now
+        prior, start = float(row.alive_prior_s), row.registered_at
+        if row.state == "left" and row.left_at is not None:
+            prior, start = prior + max(0.0, row.left_at - start), now
+        elif lease_seconds is not None and now - row.last_seen > lease_seconds:
+            prior, start = prior + max(0.0, row.last_seen - start), now
         self.conn.execute(
             "UPDATE instances SET model_ids=?, capacity=?, meta=?, capacity_units=?, last_seen=?,"
             " state='active', left_at=NULL, registered_at=?, alive_prior_s=?, limits=?"
@@ -344,14 +357,15 @@ class Store:
             for tid in dict.fromkeys(task_ids):  # once each, in order
                 row = self.conn.execute("SELECT state, instance_id FROM tasks WHERE task_id=?",
                                         (tid,)).fetchone()
-                if row is not None and row["state"] == "leased" and row["instance_id"] == instance_id:
+                if row is not None and row[0] == "leased" and row[1] == instance_id:
                     ids.append(tid)
         self.conn.executemany("UPDATE tasks SET state='pending', deadline=? WHERE task_id=?",
                               [(now, tid) for tid in ids])
         return ids
 
-    def instances(self) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM instances ORDER BY registered_at").fetchall()
+    def instances(self) -> list[InstanceRow]:
+        return [InstanceRow.of(r) for r in
+                self.conn.execute("SELECT * FROM instances ORDER BY registered_at")]
 
     # ------------------------------------------------------------------ tasks
 
@@ -364,14 +378,15 @@ class Store:
             (task_id, kind, json.dumps(model_ids), target_model, eval_version, prompt_index,
              payload, now))
 
-    def task(self, task_id: str) -> sqlite3.Row | None:
-        return self.conn.execute("SELECT * FROM tasks WHERE task_id=?", (task_id,)).fetchone()
+    def task(self, task_id: str) -> TaskRow | None:
+        row = self.conn.execute("SELECT * FROM tasks WHERE task_id=?", (task_id,)).fetchone()
+        return TaskRow.of(row) if row is not None else None
 
-    def leasable_tasks(self, kind: str, now: float) -> list[sqlite3.Row]:
+    def leasable_tasks(self, kind: str, now: float) -> list[TaskRow]:
         """Tasks of ``kind`` never leased or whose lease expired, oldest first."""
-        return self.conn.execute(
+        return [TaskRow.of(r) for r in self.conn.execute(
             "SELECT * FROM tasks WHERE kind=? AND (state='pending' OR (state='leased' AND deadline<?))"
-            " ORDER BY seq", (kind, now)).fetchall()
+            " ORDER BY seq", (kind, now))]
 
     def mark_leased(self, task_id: str, instance_id: str, deadline: float,
                     now: float | None = None) -> None:
@@ -382,9 +397,10 @@ class Store:
     def mark_done(self, task_id: str, now: float) -> None:
         self.conn.execute("UPDATE tasks SET state='done', done_at=? WHERE task_id=?", (now, task_id))
 
-    def open_task_payloads(self, kind: str) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT payload FROM tasks WHERE kind=? AND state!='done'",
-                                 (kind,)).fetchall()
+    def open_tasks(self, kind: str) -> list[Task]:
+        """The :class:`Task` of every open (not done) task of ``kind``."""
+        return [decode(bytes(r[0])) for r in self.conn.execute(
+            "SELECT payload FROM tasks WHERE kind=? AND state!='done'", (kind,))]
 
     def count_open_tasks(self, kind: str) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM tasks WHERE kind=? AND state!='done'",
@@ -401,14 +417,14 @@ class Store:
             (task_id, model_id, sample_index, min_version, reward, state, blob, now))
         return int(cur.lastrowid)
 
-    def replay_candidates(self, model_id: str, min_version: int, limit: int) -> list[sqlite3.Row]:
+    def replay_candidates(self, model_id: str, min_version: int, limit: int) -> list[SampleRow]:
         """The newest ``limit`` trained samples of ``model_id`` not older than ``min_version``,
         with how often each was replayed (what a restarted service's replay pool holds)."""
-        return self.conn.execute(
-            "SELECT s.id, s.min_version, s.blob, (SELECT COUNT(*) FROM replays r WHERE"
-            " r.sample_id=s.id AND r.state IN ('served', 'acked')) AS uses FROM samples s"
-            " WHERE s.model_id=? AND s.state='acked' AND s.min_version>=? ORDER BY s.id DESC"
-            " LIMIT ?", (model_id, min_version, limit)).fetchall()
+        return [SampleRow.of(r) for r in self.conn.execute(
+            "SELECT s.id, s.model_id, s.min_version, s.state, s.blob, (SELECT COUNT(*) FROM"
+            " replays r WHERE r.sample_id=s.id AND r.state IN ('served', 'acked')) AS uses"
+            " FROM samples s WHERE s.model_id=? AND s.state='acked' AND s.min_version>=?"
+            " ORDER BY s.id DESC LIMIT ?", (model_id, min_version, limit))]
 
     # ------------------------------------------------------------------ replays
 
@@ -426,19 +442,20 @@ class Store:
         return self.conn.execute("SELECT COUNT(*) FROM replays WHERE batch_id=?",
                                  (batch_id,)).fetchone()[0]
 
-    def queued_samples(self) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT id, model_id, min_version, blob FROM samples"
-                                 " WHERE state='queued' ORDER BY id").fetchall()
+    def queued_samples(self) -> list[SampleRow]:
+        return [SampleRow.of(r) for r in self.conn.execute(
+            "SELECT id, model_id, min_version, state, blob FROM samples WHERE state='queued'"
+            " ORDER BY id")]
 
     def set_sample_state(self, ids: list[int], state: str, batch_id: str | None = None) -> None:
         self.conn.executemany("UPDATE samples SET state=?, batch_id=COALESCE(?, batch_id) WHERE id=?",
                               [(state, batch_id, i) for i in ids])
 
-    def batch_samples(self, batch_id: str, states: tuple[str, ...]) -> list[sqlite3.Row]:
+    def batch_samples(self, batch_id: str, states: tuple[str, ...]) -> list[SampleRow]:
         marks = ",".join("?" * len(states))
-        return self.conn.execute(f"SELECT id, model_id, min_version, state, blob FROM samples"
-                                 f" WHERE batch_id=? AND state IN ({marks}) ORDER BY id",
-                                 (batch_id, *states)).fetchall()
+        return [SampleRow.of(r) for r in self.conn.execute(
+            f"SELECT id, model_id, min_version, state, blob FROM samples"
+            f" WHERE batch_id=? AND state IN ({marks}) ORDER BY id", (batch_id, *states))]
 
     # ------------------------------------------------------------------ batches
 
@@ -448,31 +465,32 @@ class Store:
                           " state, served_at) VALUES(?, ?, ?, ?, ?, 'served', ?)",
                           (batch_id, model_id, trainer_id, version, n, now))
 
-    def batch(self, batch_id: str) -> sqlite3.Row | None:
-        return self.conn.execute("SELECT * FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+    def batch(self, batch_id: str) -> BatchRow | None:
+        row = self.conn.execute("SELECT * FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+        return BatchRow.of(row) if row is not None else None
 
     def set_batch_state(self, batch_id: str, state: str, now: float | None = None) -> None:
         self.conn.execute("UPDATE batches SET state=?, acked_at=COALESCE(?, acked_at)"
                           " WHERE batch_id=?", (state, now, batch_id))
 
-    def batches_served_before(self, cutoff: float) -> list[sqlite3.Row]:
+    def batches_served_before(self, cutoff: float) -> list[BatchRow]:
         """Outstanding batches neither served nor extended since ``cutoff`` (ack overdue)."""
-        return self.conn.execute("SELECT * FROM batches WHERE state='served' AND"
-                                 " COALESCE(renewed_at, served_at)<? ORDER BY served_at",
-                                 (cutoff,)).fetchall()
+        return [BatchRow.of(r) for r in self.conn.execute(
+            "SELECT * FROM batches WHERE state='served' AND COALESCE(renewed_at, served_at)<?"
+            " ORDER BY served_at", (cutoff,))]
 
     def set_acked_step(self, batch_id: str, step: int) -> None:
         """The trainer's optimizer step count after training this batch (inside the ack's tx)."""
         self.conn.execute("UPDATE batches SET acked_step=? WHERE batch_id=?", (step, batch_id))
 
-    def roll_back_batches(self, model_id: str, after_step: int, now: float) -> list[sqlite3.Row]:
+    def roll_back_batches(self, model_id: str, after_step: int, now: float) -> list[BatchRow]:
         """Mark ``model_id``'s acked batches trained after optimizer step ``after_step`` (and not
         marked yet) as rolled back at ``now``; returns them (inside the caller's tx)."""
-        rows = self.conn.execute("SELECT * FROM batches WHERE model_id=? AND state='acked' AND"
-                                 " acked_step>? AND rolled_back_at IS NULL ORDER BY acked_at",
-                                 (model_id, after_step)).fetchall()
+        rows = [BatchRow.of(r) for r in self.conn.execute(
+            "SELECT * FROM batches WHERE model_id=? AND state='acked' AND acked_step>? AND"
+            " rolled_back_at IS NULL ORDER BY acked_at", (model_id, after_step))]
         self.conn.executemany("UPDATE batches SET rolled_back_at=? WHERE batch_id=?",
-                              [(now, r["batch_id"]) for r in rows])
+                              [(now, r.batch_id) for r in rows])
         return rows
 
     def renew_batch(self, batch_id: str, now: float) -> None:
@@ -515,10 +533,11 @@ class Store:
         rows = self.conn.execute("SELECT model_id, MAX(version) FROM versions GROUP BY model_id")
         return {r[0]: r[1] for r in rows}
 
-    def version_rows(self, model_id: str) -> list[sqlite3.Row]:
-        """(version, published_at, manifest) of every stored version of ``model_id``, ascending."""
-        return self.conn.execute("SELECT version, published_at, manifest FROM versions"
-                                 " WHERE model_id=? ORDER BY version", (model_id,)).fetchall()
+    def version_rows(self, model_id: str) -> list[VersionRow]:
+        """Every stored version of ``model_id`` with its manifest, ascending."""
+        return [VersionRow.of(r) for r in self.conn.execute(
+            "SELECT version, published_at, manifest AS blob FROM versions WHERE model_id=?"
+            " ORDER BY version", (model_id,))]
 
     def delete_versions(self, model_id: str, versions: list[int]) -> None:
         """Forget garbage-collected versions (their manifests)."""
@@ -563,10 +582,10 @@ class Store:
             (model_id, version, prompt_index, task_id, n_samples, n_correct, sum_reward,
              min_version, max_version, now, n_team_correct, n_tool_calling))
 
-    def eval_runs(self, model_id: str) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM eval_runs WHERE model_id=? ORDER BY version",
-                                 (model_id,)).fetchall()
+    def eval_runs(self, model_id: str) -> list[EvalRunRow]:
+        return [EvalRunRow.of(r) for r in self.conn.execute(
+            "SELECT * FROM eval_runs WHERE model_id=? ORDER BY version", (model_id,))]
 
-    def eval_reports(self, model_id: str, version: int) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM eval_reports WHERE model_id=? AND version=?",
-                                 (model_id, version)).fetchall()
+    def eval_reports(self, model_id: str, version: int) -> list[EvalReportRow]:
+        return [EvalReportRow.of(r) for r in self.conn.execute(
+            "SELECT * FROM eval_reports WHERE model_id=? AND version=?", (model_id, version))]

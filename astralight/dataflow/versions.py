@@ -4,19 +4,26 @@ A version is published once its manifest's files are uploaded and match (:func:`
 versions only move forward, by at most ``max_version_jump`` at a time
 (:func:`check_version_jump`). :class:`WeightIndex` mirrors the stored versions per model_id
 (version, kind, published_at) and decides what weight GC removes: every version older than the
-newest full version published at least ``weights_keep_s`` ago.
+newest full version published at least ``weights_keep_s`` ago. :class:`Publisher` records a
+publication: the version, its evals, what it made stale, and what follows in memory after the
+commit.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from astralight.dataflow import batches
 from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.evals import EvalScheduler
+from astralight.dataflow.parts import Part, Shared
+from astralight.dataflow.plugin_state import PluginState
 from astralight.dataflow.store import Store
 from astralight.dataflow.weightfiles import WeightFiles, check_file_name
-from astralight.protocol import WeightManifest
+from astralight.protocol import WeightManifest, encode
 
 log = logging.getLogger("astralight.dataflow")
 
@@ -105,10 +112,11 @@ class WeightIndex:
             keep_from = self.keep_from(mid, now)
             old = [v for v, _, _ in index if keep_from is not None and v < keep_from]
             if old:
-                with store.tx():
+                with store.tx() as tx:
                     store.delete_versions(mid, old)
                     bump(mid, "weight_versions_removed", len(old))
-                self.entries[mid] = [e for e in index if e[0] >= keep_from]
+                    tx.after_commit(self.entries.__setitem__, mid,
+                                    [e for e in index if e[0] >= keep_from])
                 log.info("weight GC: removed %s versions %d..%d (keeping %d.. since a full version)",
                          mid, old[0], old[-1], keep_from)
             listed = self.stored(mid)
@@ -152,3 +160,82 @@ class WeightIndex:
         return {"weight_versions_stored": len(index),
                 "weight_oldest_version": index[0][0] if index else None,
                 "weight_latest_full": fulls[-1] if fulls else None}
+
+
+class Publisher(Part):
+    """Publishes versions of the service's policies with their files in ``weights``, indexed
+    in ``index`` (the service's own; it, the versions, queues and pools change only through
+    each transaction); ``serving`` records the samples a version made stale. Call every
+    method with the service's lock held."""
+
+    def __init__(self, shared: Shared, weights: WeightFiles, index: WeightIndex,
+                 evals: EvalScheduler, plugin_state: PluginState,
+                 serving: batches.BatchServing):
+        super().__init__(shared)
+        self.weights = weights
+        self.index = index
+        self.evals = evals
+        self.plugin_state = plugin_state
+        self.serving = serving
+
+    def check_upload(self, model_id: str, version: int, name: str) -> None:
+        """An upload of ``name`` for ``version`` may go ahead: a plain file name
+        (:func:`check_file_name`), a version newer than the current one (published versions are
+        immutable: 409) and within ``max_version_jump`` of it (422)."""
+        check_file_name(name)
+        current = self.versions[model_id]
+        if version <= current:
+            raise ServiceError(409, "version", f"version {version} of {model_id!r} is not newer than "
+                                               f"the current version {current}; "
+                                               "published versions are immutable")
+        check_version_jump(model_id, version, current, self.config.max_version_jump, "version")
+
+    def publish(self, manifest: WeightManifest) -> tuple[int, list[Path]]:
+        """Record version N of a policy after checking its files (:func:`check_manifest`), in
+        one transaction with its evals; then, in a second one at the new version, drop what it
+        made stale, and collect old weights. Returns the eval tasks scheduled and the folders
+        to purge (outside the lock)."""
+        mid = manifest.model_id
+        current = self.versions[mid]
+        check_manifest(manifest, current, self.config.max_version_jump, self.index.stored(mid),
+                       self.weights)
+        now = time.time()
+        manifest.created = manifest.created or now
+        with self.store.tx() as tx:
+            self.store.insert_version(mid, manifest.version, encode(manifest), now)
+            n_evals = self.evals.maybe_schedule(mid, manifest.version, now, previous=current)
+            journal_seq = (self.plugin_state.journal("version", {"version": manifest.version})
+                           if mid == self.primary else None)
+            tx.after_commit(self._published, manifest, now, journal_seq)
+        with self.store.tx() as tx:  # at the new version: what it made stale
+            dropped = self.queues[mid].drop_stale(manifest.version)
+            tx.on_rollback(batches.push_all, self.queues[mid], dropped)
+            replay_stale = self.replay_pools[mid].drop_stale(manifest.version)
+            tx.on_rollback(batches.add_all, self.replay_pools[mid], replay_stale)
+            self.serving.record_stale(mid, dropped)
+            self.bump(mid, "replay_stale_dropped", len(replay_stale))
+            if mid == self.primary:
+                self.plugin_state.save(tx, now)
+        log.info("published %s version %d (%s, %d files)", mid, manifest.version, manifest.kind,
+                 len(manifest.files))
+        try:
+            trash = self.collect(now)
+        except Exception:  # the version is published; GC retries at the next publication
+            log.exception("weight GC failed")
+            trash = []
+        return n_evals, trash
+
+    def _published(self, manifest: WeightManifest, now: float, journal_seq: int | None) -> None:
+        """After the commit of a publication: the version is current, indexed for weight GC
+        and, for the primary policy, told to the curators."""
+        mid = manifest.model_id
+        self.versions[mid] = manifest.version
+        self.index.entries[mid].append((manifest.version, manifest.kind, now))
+        if mid == self.primary:
+            self.plugin_state.apply_version(manifest.version, journal_seq)
+
+    def collect(self, now: float) -> list[Path]:
+        """:meth:`WeightIndex.collect` when ``weights_gc`` is on; returns the folders to purge."""
+        if not self.config.weights_gc:
+            return []
+        return self.index.collect(self.store, self.weights, self.versions, self.bump, now)
