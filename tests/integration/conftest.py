@@ -117,7 +117,7 @@ def clean_dist():
 @pytest.fixture(scope="module")
 def batches(tiny_model_dir):
     from astralight.datamodules import collate_batch
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3, seed=1)
     return [collate_batch(fake.make_batch(6)) for _ in range(2)]

@@ -28,7 +28,7 @@ LORA = dict(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 def rank_batches(model_dir: str, steps: int = STEPS) -> list:
     """``2 * steps`` deterministic protocol Batches (rank r of step i gets ``2*i + r``)."""
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     fake = FakeDataflowClient(model_dir, logprob_noise=0.3, seed=5)
     batches = [fake.make_batch(4) for _ in range(2 * steps)]
@@ -50,7 +50,7 @@ def main(model_dir: str, out_dir: str, lora: bool) -> None:
     from astralight.fsdp2_strategy import FSDP2Strategy
     from astralight.policy import M2POPolicy
     from astralight.weights import WeightState
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     out = Path(out_dir)
     collated = [collate_batch(b) for b in rank_batches(model_dir)]

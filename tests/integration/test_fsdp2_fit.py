@@ -31,7 +31,7 @@ from astralight.policy import M2POPolicy
 from astralight.protocol import Batch
 from astralight.weights import WeightState, to_bf16_bits
 from tests.integration.fsdp2_helpers import _full_state, _identity
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = dict(lr=1e-3, micro_batch_size=2, kl_coef=0.1, grad_clip=0.05,

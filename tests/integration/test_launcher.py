@@ -103,6 +103,23 @@ def test_run_shortened_toy_recipe(tmp_path):
     assert all(isinstance(report[k], int) and report[k] >= 0
                for k in ("produced", "accepted", "consumed", "stale"))
     assert summary["balance"]["model_id"] == "policy" and summary["balance"]["final"]
+    # Whatever one window holds, the windows together hold the run: they cover every version
+    # once and every event counts at exactly one version, so their consumed samples add up to
+    # the run's samples trained (the final window was read after the summary's stats, with the
+    # trainer done), and what was trained was accepted first (no replay in this recipe). Within
+    # a window each push counts its samples as produced and as accepted or filtered at once.
+    assert sum(r["consumed"] for r in reports) == summary["samples_trained"] == 64, reports
+    assert sum(r["accepted"] for r in reports) >= 64, reports
+    assert sum(r["produced"] for r in reports) >= summary["rollouts_generated"] >= 64, reports
+    assert all(r["accepted"] + r["filtered"] <= r["produced"] for r in reports), reports
+    # a closed window (its versions all past) is the sum of the per-version counters read after it
+    per_version = summary["per_version"]
+    for r in reports[:-1]:
+        first, last = r["versions"]
+        for key, counter in (("produced", "rollouts_generated"), ("accepted", "samples_accepted"),
+                             ("consumed", "samples_trained"), ("stale", "stale_dropped")):
+            assert r[key] == sum(per_version.get(str(v), {}).get(counter, 0)
+                                 for v in range(first, last + 1)), (key, r, per_version)
 
     # the launcher's own output, kept: progress lines with a rate, the stop, the short line
     launch_log = (run_dir / "launch.log").read_text()

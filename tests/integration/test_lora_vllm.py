@@ -250,7 +250,7 @@ def test_a_lora_policy_trained_by_lightning_reaches_the_engine(mode, engine, tin
     from astralight.callbacks import WeightPublisher
     from astralight.datamodules import RolloutDataModule
     from astralight.policy import M2POPolicy
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     svc = dataflow_service(tmp_path)
     policy = M2POPolicy(str(tiny_model_dir), lr=1e-2,

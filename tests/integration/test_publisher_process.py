@@ -17,7 +17,7 @@ from astralight.dataflow.client import DataflowClient
 from astralight.datamodules import RolloutDataModule
 from astralight.policy import M2POPolicy
 from astralight.weights import WeightState, to_bf16_bits
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 class FlushEachStep(pl.Callback):

@@ -21,7 +21,7 @@ from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
 from astralight.workflows.latency import LongTailLatency
 from astralight.workflows.solver_verifier import TOY_TEMPLATES, SolverVerifier
-from tests.unit.raas_fakes import BatchingDataflow
+from tests.fakes import BatchingDataflow
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """Fakes of the autoscaler's surroundings, shared by the autoscaler unit tests: a backend that
-records launches and retirements (:class:`FakeBackend`), the dataflow client's ``stats`` /
-``balance`` / ``drain`` (:class:`FakeDataflow`) and a clock the test moves (:class:`Clock`).
+records launches and retirements (:class:`FakeBackend`) and a clock the test moves
+(:class:`Clock`). Its dataflow client is :class:`tests.fakes.FakeAutoscaleDataflow`.
 
 Shared here so that tests never import from one another (no test module imports from a
 ``test_*`` module; ``tests/unit/test_no_cross_test_imports.py`` checks it).
@@ -30,30 +30,6 @@ class FakeBackend:
 
     def close(self):
         self.calls.append(("close",))
-
-
-class FakeDataflow:
-    """``stats`` and ``balance`` as the routes answer them; the test sets version and report."""
-
-    def __init__(self):
-        self.version = 0
-        self.rows: dict[str, dict] = {}
-        self.next_report = None
-        self.balance_calls: list[tuple] = []
-        self.drained: list[str] = []
-
-    def stats(self):
-        return {"models": {"policy": {"current_version": self.version}},
-                "instances": list(self.rows.values())}
-
-    def balance(self, model_id, window=10, pool=None):
-        self.balance_calls.append((model_id, window, pool))
-        rep = dict(self.next_report)
-        rep["instances"] = list(self.rows.values())
-        return rep
-
-    def drain(self, instance_id):
-        self.drained.append(instance_id)
 
 
 class Clock:

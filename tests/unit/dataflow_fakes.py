@@ -9,6 +9,7 @@ import numpy as np
 
 from astralight.dataflow.core import Dataflow
 from astralight.protocol import Sample, WeightManifest
+from tests.fakes import InProcessDataflow
 
 
 def samples(task, rewards, version=0, model_id="policy", token_ids=(1, 2, 3)) -> list[Sample]:
@@ -22,13 +23,9 @@ def samples(task, rewards, version=0, model_id="policy", token_ids=(1, 2, 3)) ->
 
 
 def publish(flow: Dataflow, version: int, model_id: str = "policy") -> None:
-    """Publish a one-file full version the way the upload route does (tmp file, commit)."""
+    """Publish a one-file full version as a trainer does: upload (the route's steps), publish."""
     data = b"w%d" % version
-    final = flow.weights.path(model_id, version, "model.safetensors")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / ".upload.tmp"
-    tmp.write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    flow.commit_upload(tmp, model_id, version, "model.safetensors", digest)
+    InProcessDataflow(flow).upload_weight_file(model_id, version, "model.safetensors", data)
     flow.publish(WeightManifest(model_id=model_id, version=version, kind="full",
-                                files={"model.safetensors": {"sha256": digest}}))
+                                files={"model.safetensors": {"sha256": hashlib.sha256(data)
+                                                             .hexdigest()}}))

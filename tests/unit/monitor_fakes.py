@@ -1,8 +1,7 @@
-"""Fakes for the DataflowMonitor unit tests: a dataflow client answering ``stats``,
-``eval_results`` and ``eval_completions`` from dicts (:class:`FakeClient`), a logger that records
-every call (:class:`RecordingLogger`; with W&B's ``log_table``: :class:`TableLogger`; with
-TensorBoard's ``experiment.add_text``: :class:`TextLogger`), and :func:`monitor_with`, a
-monitor on such a client with a stand-in trainer (so no fit is run).
+"""Fakes for the DataflowMonitor unit tests: a logger that records every call
+(:class:`RecordingLogger`; with W&B's ``log_table``: :class:`TableLogger`; with TensorBoard's
+``experiment.add_text``: :class:`TextLogger`), and :func:`monitor_with`, a monitor on a
+:class:`tests.fakes.FakeMonitorClient` (its dataflow) with a stand-in trainer (so no fit is run).
 
 Shared here so that tests never import from one another (no test module imports from a
 ``test_*`` module; ``tests/unit/test_no_cross_test_imports.py`` checks it).
@@ -13,39 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from astralight.callbacks import DataflowMonitor
-
-
-class FakeClient:
-    """``completions``: ``{version: rows}`` answered by ``eval_completions`` (None: the route is
-    missing, as on an older service: it raises)."""
-
-    def __init__(self, stats: dict, evals: dict | None = None, on_request_eval=None,
-                 completions: dict | None = None):
-        self._stats, self._evals = stats, evals or {}
-        self.eval_requests: list[tuple[str, int]] = []
-        self._on_request_eval = on_request_eval
-        self._completions = completions
-        self.completion_calls: list[tuple[str, int, int | None]] = []
-
-    def eval_completions(self, model_id: str, version: int, limit: int | None = None) -> list:
-        self.completion_calls.append((model_id, version, limit))
-        if self._completions is None:
-            raise RuntimeError("404 Not Found: /v1/eval/policy/4/completions")
-        return list(self._completions.get(version, []))[:limit]
-
-    def stats(self) -> dict:
-        return self._stats
-
-    def eval_results(self, model_id: str) -> dict:
-        return self._evals
-
-    def request_eval(self, model_id: str, version: int) -> dict:
-        """Records the request; ``on_request_eval(evals, version)`` answers it (may raise, or
-        fill ``evals`` as the service would once the eval ran)."""
-        self.eval_requests.append((model_id, version))
-        if self._on_request_eval is not None:
-            self._on_request_eval(self._evals, version)
-        return {"model_id": model_id, "version": version, "evals_scheduled": 1}
+from tests.fakes import FakeMonitorClient
 
 
 class RecordingLogger:
@@ -94,13 +61,13 @@ class TextLogger(RecordingLogger):
 
 def monitor_with(stats: dict, evals: dict | None = None, n_loggers: int = 1,
                  loggers: list | None = None, completion_rows: dict | None = None, **kwargs):
-    """A monitor on a :class:`FakeClient` (answering ``completion_rows`` as its
+    """A monitor on a :class:`~tests.fakes.FakeMonitorClient` (answering ``completion_rows`` as its
     ``completions``, see there) and a stand-in trainer with ``n_loggers`` recording loggers, or
     ``loggers`` (``trainer.logger`` is the first, as in Lightning); ``kwargs`` go to the
     monitor."""
     monitor = DataflowMonitor(dataflow_url="http://127.0.0.1:1", model_id="policy",
                               steps_per_version=2, **kwargs)
-    monitor.client = FakeClient(stats, evals, completions=completion_rows)
+    monitor.client = FakeMonitorClient(stats, evals, completions=completion_rows)
     loggers = loggers if loggers is not None else [RecordingLogger() for _ in range(n_loggers)]
     trainer = SimpleNamespace(logger=loggers[0] if loggers else None, loggers=loggers,
                               global_rank=0, global_step=14)

@@ -12,7 +12,8 @@ import json
 
 from astralight.autoscale.policy import Policy, PolicyConfig
 from astralight.autoscale.service import AutoscaleConfig, Autoscaler
-from tests.unit.autoscale_fakes import Clock, FakeBackend, FakeDataflow
+from tests.fakes import FakeAutoscaleDataflow as FakeDataflow
+from tests.unit.autoscale_fakes import Clock, FakeBackend
 
 
 class ClusterBackend(FakeBackend):

@@ -16,6 +16,8 @@ import pytest
 
 from astralight.autoscale.backends import (BackendError, CommandBackend, LocalProcessBackend,
                                            render)
+from tests.fakes import FakeDrainClient as FakeClient
+from tests.fakes import FileDrainClient
 
 
 def test_render_substitutes_instance_and_n_and_leaves_other_braces():
@@ -25,20 +27,6 @@ def test_render_substitutes_instance_and_n_and_leaves_other_braces():
 
 
 # ---------------------------------------------------------------------- command templates
-
-
-class FakeClient:
-    def __init__(self, fail=False):
-        self.drained, self.fail, self.closed = [], fail, 0
-
-    def drain(self, instance_id):
-        if self.fail:
-            raise RuntimeError("dataflow HTTP 404: unknown instance")
-        self.drained.append(instance_id)
-        return {"instance_id": instance_id, "state": "draining", "in_flight": 0}
-
-    def close(self):
-        self.closed += 1
 
 
 def test_command_backend_runs_templates_with_substitution(tmp_path):
@@ -111,20 +99,6 @@ FAKE_RAAS = textwrap.dedent("""
             sys.exit(0)
         time.sleep(0.05)
 """)
-
-
-class FileDrainClient:
-    """The drain route's effect, by file: the stand-in exits when it sees it."""
-
-    def __init__(self, folder: Path, log: list):
-        self.folder, self.log = folder, log
-
-    def drain(self, instance_id):
-        self.log.append(instance_id)
-        (self.folder / f"DRAIN-{instance_id}").touch()
-
-    def close(self):
-        pass
 
 
 def wait_for(predicate, what, timeout=30.0):

@@ -11,7 +11,8 @@ import pytest
 from astralight.autoscale.policy import (Decision, Member, Policy, PolicyConfig, pool_members,
                                          report_target, retirement_order)
 from astralight.autoscale.service import AutoscaleConfig, Autoscaler
-from tests.unit.autoscale_fakes import Clock, FakeBackend, FakeDataflow
+from tests.fakes import FakeAutoscaleDataflow as FakeDataflow
+from tests.unit.autoscale_fakes import Clock, FakeBackend
 
 
 def report(action, pool, target, w=0.0, consumed=100, accepted=100, versions=(0, 9)):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
 
 import pytest
@@ -20,6 +19,8 @@ from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.store import SCHEMA, Store
 from astralight.datamodules.rollout import BatchKeepAlive, RolloutDataModule
 from astralight.protocol import decode, encode
+from tests.fakes import FakeKeepAliveClient as FakeClient
+from tests.fakes import FakeTrainerClient
 from tests.unit.batch_ack_flow import GROUP, TIMEOUT, make, samples
 
 
@@ -162,26 +163,6 @@ def test_the_route_and_the_pull_header(tmp_path):
 # ----------------------------------------------------------------------------- keep-alive thread
 
 
-class FakeClient:
-    """extend_batch answers from a script: ``fail`` maps batch ids to the error to raise."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-        self.fail: dict[str, Exception] = {}
-        self.closed = False
-        self.called = threading.Event()
-
-    def extend_batch(self, batch_id):
-        self.calls.append(batch_id)
-        self.called.set()
-        if batch_id in self.fail:
-            raise self.fail[batch_id]
-        return {"batch_id": batch_id, "extended": True}
-
-    def close(self):
-        self.closed = True
-
-
 def test_keepalive_extends_held_batches_until_released():
     fake = FakeClient()
     ka = BatchKeepAlive(lambda: fake, interval_s=3600.0)  # the thread never ticks by itself
@@ -257,20 +238,6 @@ def test_keepalive_thread_ticks_and_stops_at_close():
     assert len(fake.calls) == n  # nothing after close
     with pytest.raises(ValueError, match="keepalive_interval_s"):
         BatchKeepAlive(lambda: fake, interval_s=0)
-
-
-class FakeTrainerClient(FakeClient):
-    """What the datamodule needs: pull_batch, ack, extend_batch, batch_ack_timeout_s."""
-
-    def __init__(self, timeout_s):
-        super().__init__()
-        self.batch_ack_timeout_s = timeout_s
-        self.acks: list[str] = []
-        self.ack_answer: dict = {"acked": True}
-
-    def ack(self, batch_id, **kw):
-        self.acks.append(batch_id)
-        return self.ack_answer
 
 
 def test_datamodule_holds_a_pulled_batch_until_its_ack(caplog):

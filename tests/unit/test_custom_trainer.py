@@ -23,7 +23,7 @@ import torch
 
 from astralight.datamodules import RolloutDataModule, collate_batch
 from astralight.policy import M2POPolicy, RLPolicy
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "custom_trainer"

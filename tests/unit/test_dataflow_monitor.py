@@ -7,7 +7,8 @@ tests); the trainer is a stand-in with a recording logger, so no fit is run.
 from __future__ import annotations
 
 from astralight.callbacks.dataflow_monitor import plugin_metrics, stat_metrics
-from tests.unit.monitor_fakes import FakeClient, monitor_with
+from tests.fakes import BalanceClient
+from tests.unit.monitor_fakes import monitor_with
 
 
 STATS = {
@@ -83,18 +84,6 @@ def test_tag_names_are_tensorboard_friendly():
     out = plugin_metrics({"curators[1]": {"class": "my.pkg.Curator", "metrics": {"p/x y": 1}}})
     assert out == {"dataflow/plugins/curators_1_my.pkg.Curator/p_x_y": 1.0}
     assert plugin_metrics(None) == {}
-
-
-class BalanceClient(FakeClient):
-    def __init__(self, stats: dict):
-        super().__init__(stats)
-        self.calls = []
-
-    def balance(self, model_id: str, window: int = 10) -> dict:
-        self.calls.append((model_id, window))
-        return {"wait_fraction": 0.25, "mean_step_s": 2.0, "mean_wait_s": 0.5, "produced": 100,
-                "accepted": 90, "consumed": 64, "stale": 10,
-                "decision": {"action": "scale_up", "pool": 4, "target": 6, "reason": "..."}}
 
 
 def test_balance_report_is_logged_every_balance_every_versions():

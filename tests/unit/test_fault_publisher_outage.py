@@ -11,7 +11,7 @@ import pytest
 from astralight.callbacks import WeightPublisher
 from astralight.dataflow.client import DataflowError
 from tests.unit.publisher_fit import FlushEachStep, fit
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 class FullDisk(FakeDataflowClient):

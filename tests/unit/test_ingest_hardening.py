@@ -167,7 +167,7 @@ def test_the_raas_registers_its_engines_limits():
     from astralight.tinymodel import build_tokenizer
     from astralight.workflows.single_turn import SingleTurnWorkflow
     from tests.unit.engine_fakes import ScriptedEngine
-    from tests.unit.raas_fakes import FakeDataflow
+    from tests.fakes import FakeDataflow
 
     engine = ScriptedEngine(build_tokenizer(), ["82"], max_model_len=32)
     engine.vocab_size = 96

@@ -259,7 +259,7 @@ def test_adapter_config_checks_name_the_field():
 
 
 def _fake(model_dir):
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     return FakeDataflowClient(model_dir, logprob_noise=0.2)
 
@@ -306,7 +306,7 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_disabled(tiny_model_d
     from astralight.datamodules import collate_batch
     from astralight.policy import M2POPolicy, load_causal_lm
     from astralight.rl.logprobs import causal_lm_logprobs
-    from tests.unit.trainer_fakes import FakeDataflowClient
+    from tests.fakes import FakeDataflowClient
 
     policy = M2POPolicy(str(tiny_model_dir), kl_coef=0.1, lora=LORA)
     policy.configure_model()

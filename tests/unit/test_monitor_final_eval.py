@@ -5,7 +5,8 @@ an eval source ends the wait at once. Fake client, stand-in trainer (no fit)."""
 from __future__ import annotations
 
 from astralight.dataflow.client import DataflowError
-from tests.unit.monitor_fakes import FakeClient, monitor_with
+from tests.fakes import FakeMonitorClient as FakeClient
+from tests.unit.monitor_fakes import monitor_with
 
 STATS = {"models": {"policy": {"current_version": 7}}}
 RESULT = {"complete": True, "avg_at_k": 0.75, "pass_at_k": 0.9}

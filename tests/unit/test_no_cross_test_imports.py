@@ -1,7 +1,8 @@
 """No test module imports from another test module (a file named ``test_*.py``).
 
 Helpers, fakes and fixtures that more than one test module uses live in shared, non-test modules
-(``tests/proc_helpers.py``, ``tests/unit/*_fakes.py``, ``tests/unit/run_folders.py``,
+(``tests/fakes.py``: the dataflow client's contract, its in-process adapter and its fakes;
+``tests/proc_helpers.py``, ``tests/unit/*_fakes.py``, ``tests/unit/run_folders.py``,
 ``tests/integration/service_helpers.py``, ``tests/integration/conftest.py``, ...), so a test
 module can be changed, renamed or deleted without breaking another one. Every ``tests/**/*.py``
 is read with :mod:`ast`; an ``import`` / ``from ... import`` (absolute or relative) of a
@@ -121,7 +122,8 @@ def test_the_check_sees_every_form_of_import():
         source, target = source.format(t="tests"), target.format(t="tests")
         (found,) = violations(source, path)
         assert target in found, (source, found)
-    fine = ["from tests.proc_helpers import gone", "from tests.unit.raas_fakes import FakeStore",
+    fine = ["from tests.proc_helpers import gone", "from tests.fakes import FakeStore",
+            "from tests.unit.raas_fakes import states", "import tests.fakes",
             "from . import engine_fakes", "from tests.integration.service_helpers import fake_raas",
             "import unittest", "from torch import testing",
             "HERE = 'tests.unit.test_no_cross_test_imports'"]  # a string naming the module itself

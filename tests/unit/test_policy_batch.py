@@ -18,7 +18,7 @@ import torch
 from astralight.datamodules import collate_batch
 from astralight.policy import M2POPolicy, RLPolicy
 from astralight.rl.entropy import masked_entropy_sum
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 class Recording(RLPolicy):

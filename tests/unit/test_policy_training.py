@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from astralight.datamodules import RolloutDataModule, collate_batch
 from astralight.policy import M2POPolicy
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 def make_trainer(tmp_path, max_steps=3, callbacks=()):

@@ -2,7 +2,7 @@
 ``workflow:``) ends it with exit status 2 and the dataflow's message, and a dataflow that is not
 there is waited for -- saying so -- until ``dataflow_give_up_s`` (exit 1) or a stop (exit 0).
 
-The dataflow is :class:`tests.unit.raas_fakes.FakeDataflow` (refusing with the real service's
+The dataflow is :class:`tests.fakes.FakeDataflow` (refusing with the real service's
 check), or a real client of a port nothing listens on."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from astralight.tinymodel import build_tokenizer
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.conftest import free_port
 from tests.unit.engine_fakes import ScriptedEngine
-from tests.unit.raas_fakes import FakeDataflow
+from tests.fakes import FakeDataflow
 
 
 def _service(client_factory, **overrides):

@@ -21,7 +21,7 @@ from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_tokenizer
 from astralight.weights.artifacts import ArtifactBuilder
 from astralight.workflows.single_turn import SingleTurnWorkflow
-from tests.unit.raas_fakes import BatchingDataflow, FakeDataflow, NotFound
+from tests.fakes import BatchingDataflow, FakeDataflow, NotFound
 from tests.unit.raas_fakes import states as _states
 from tests.unit.engine_fakes import ScriptedEngine
 

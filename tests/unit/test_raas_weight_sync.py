@@ -13,7 +13,7 @@ import torch
 
 from astralight.raas.weight_sync import WeightSync
 from astralight.weights.artifacts import ArtifactBuilder
-from tests.unit.raas_fakes import FakeStore
+from tests.fakes import FakeStore
 from tests.unit.raas_fakes import states as _states
 
 

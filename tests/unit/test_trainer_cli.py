@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from astralight.trainer_cli import build
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 ROOT = Path(__file__).resolve().parents[2]
 

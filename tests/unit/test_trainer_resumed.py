@@ -17,6 +17,7 @@ from astralight.dataflow.audit import audit
 from astralight.datamodules.rollout import RolloutDataModule
 from astralight.protocol import decode, encode
 from astralight.dataflow.config import DataflowConfig
+from tests.fakes import RecordingClient
 from tests.unit.batch_ack_flow import GROUP, TIMEOUT, make, samples
 
 
@@ -83,25 +84,6 @@ def test_the_route_validates_and_answers(tmp_path):
         bad_ack = http.post("/v1/ack", content=encode({"batch_id": "x", "step": -3}),
                             headers={"Content-Type": "application/msgpack"})
         assert bad_ack.status_code == 422 and bad_ack.json()["field"] == "step"
-
-
-class RecordingClient:
-    def __init__(self):
-        self.acks, self.resumes = [], []
-
-    def ack(self, batch_id, **kw):
-        self.acks.append((batch_id, kw.get("step")))
-        return {"acked": True}
-
-    def trainer_resumed(self, model_id, step):
-        self.resumes.append((model_id, step))
-        return {"batches_rolled_back": 1, "samples_rolled_back": 4}
-
-    def pull_batch(self, *a, **k):
-        return None
-
-    def close(self):
-        pass
 
 
 class FakeTrainer:

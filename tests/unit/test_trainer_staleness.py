@@ -11,7 +11,7 @@ import pytest
 from astralight.callbacks import WeightPublisher
 from astralight.datamodules import RolloutDataModule, collate_batch
 from astralight.policy import M2POPolicy
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 class RecordStaleness(pl.Callback):

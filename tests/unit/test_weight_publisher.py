@@ -18,7 +18,7 @@ from astralight.callbacks import WeightPublisher, tensor_sha256
 from astralight.policy import M2POPolicy
 from astralight.weights import WeightState, read_full, to_bf16_bits
 from tests.unit.publisher_fit import FlushEachStep, bf16_bits, fit
-from tests.unit.trainer_fakes import FakeDataflowClient
+from tests.fakes import FakeDataflowClient
 
 
 def files_of(fake, version):
