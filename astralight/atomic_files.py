@@ -16,13 +16,17 @@ import uuid
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder, so that renames and new entries in it survive a machine crash."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_path(path: Path | str) -> None:
+    """fsync a file or a folder by path (opened read-only: Linux syncs through any descriptor);
+    on a folder, its renames and new entries then survive a machine crash."""
+    fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -44,4 +48,4 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         stale.unlink(missing_ok=True)
 
 
-__all__ = ["fsync_dir", "atomic_write_bytes"]
+__all__ = ["fsync_path", "fsync_dir", "atomic_write_bytes"]

@@ -26,24 +26,17 @@ at once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from astralight.atomic_files import fsync_path
 from astralight.dataflow.errors import ServiceError
 
 log = logging.getLogger("astralight.dataflow")
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or folder by path (open read-only: Linux syncs through any descriptor)."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class GroupSync:

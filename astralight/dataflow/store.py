@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from astralight.dataflow.durability import GroupSync, fsync_path
+from astralight.atomic_files import fsync_path
+from astralight.dataflow.durability import GroupSync
 from astralight.dataflow.rows import (BatchRow, EvalReportRow, EvalRunRow, InstanceRow,
                                       JournalEntry, SampleRow, TaskRow, VersionRow)
 from astralight.dataflow.transaction import Transaction

@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
+from astralight.atomic_files import fsync_path
 from astralight.dataflow.errors import ServiceError
 
 _CHUNK = 1 << 20
@@ -102,14 +103,6 @@ def check_file_name(name: str, field: str = "name") -> str:
     return name
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class WeightFiles:
     """Weight files on local disk under ``root``."""
 
@@ -176,7 +169,7 @@ class WeightFiles:
         final = self.path(model_id, version, name)
         try:
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_path(final.parent)
             st = final.stat()
         except OSError as exc:
             self._unlink_quietly(tmp)
