@@ -41,7 +41,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -51,6 +50,11 @@ MODEL_ID = "policy"
 #: the task: the FactTable / FactSource arguments (both arms and the warm start)
 TABLE = {"num_keys": 200, "seen_share": 0.25, "answer_len": 1, "seed": 0}
 WARM_START = {"sft_steps": 300, "label_smoothing": 0.2, "num_threads": 1}
+#: seconds the launcher gets to stop by itself after the budget, then after a SIGINT
+STOP_GRACE_S = 180
+#: what the astralight arm's summary.json adds to the result (where its time went)
+SUMMARY_KEYS = ("trainer_wait_fraction", "versions", "samples_trained", "rollouts_generated",
+                "stop_reason", "wall_s")
 
 
 def _free_port() -> int:
@@ -217,17 +221,27 @@ def run_astra(out: Path, init: Path, budget_s: float, n_points: int, overrides: 
                 row.update(version=sync.state.version, snapshot=str(path))
             curve.append(row)
             log(f"[astra] t={at:.0f}s version {row['version']} samples {row['samples']}")
+        try:  # its own stop (stop.max_wall_s) writes summary.json
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the launcher's clean stop
             try:
-                proc.wait(timeout=180)
+                proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         client.close()
         launch_log.close()
-    return {"curve": curve, "run_dir": str(run_dir), "exit_code": proc.returncode}
+    out_row = {"curve": curve, "run_dir": str(run_dir), "exit_code": proc.returncode}
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        out_row["summary"] = {k: s.get(k) for k in SUMMARY_KEYS}
+        out_row["summary"]["stale_dropped"] = (s.get("counters") or {}).get("stale_dropped")
+    return out_row
 
 
 # ---------------------------------------------------------------------------------- TRL
@@ -327,6 +341,7 @@ def figures(astra: dict, trl: dict, load_before: list[float]) -> dict:
         "trl_samples": t[-1]["samples"], "trl_steps": t[-1]["steps"],
         "astra_curve": [(r["t"], r["acc"]) for r in a],
         "trl_curve": [(r["t"], r["acc"]) for r in t],
+        "astra_summary": astra.get("summary"),
         "load_before": load_before, "load_after": _load(),
     }
 
