@@ -349,10 +349,7 @@ def explain(message: str, where: str, config: dict | None = None,
 
 
 def _check_dataflow(path: Path) -> None:
-    from jsonargparse import ArgumentParser
-
     from astralight.dataflow.config import build_parser, build_plugins, parse_config
-    from astralight.tasks.base import PromptSource
 
     try:
         with _captured() as (_, err):
@@ -368,15 +365,7 @@ def _check_dataflow(path: Path) -> None:
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"recipe.dataflow.{exc}") from None
     for where, spec in (("source", config.source), ("eval.source", config.eval.source)):
-        if spec is None:
-            continue
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_argument("--source", type=PromptSource)
-        try:
-            parser.parse_object({"source": spec})
-        except Exception as exc:
-            message = re.sub(r'^Parser key "source":', "", str(exc).strip())
-            raise RecipeError(explain(message, f"recipe.dataflow.{where}")) from None
+        check_prompt_source(spec, f"recipe.dataflow.{where}")
 
 
 def _check_raas(index: int, path: Path, url: str) -> None:
@@ -554,3 +543,21 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
 
 
 __all__ = ["CheckResult", "check_recipe", "MODEL_PATH_KEYS", "DATA_PATH_KEYS"]
+
+
+def check_prompt_source(spec: Any, where: str) -> None:
+    """Refuse a prompt-source spec (``{class_path, init_args}``) that jsonargparse cannot build
+    as a :class:`~astralight.tasks.base.PromptSource`: a RecipeError naming ``where``."""
+    from jsonargparse import ArgumentParser
+
+    from astralight.tasks.base import PromptSource
+
+    if spec is None:
+        return
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--source", type=PromptSource)
+    try:
+        parser.parse_object({"source": spec})
+    except Exception as exc:
+        message = re.sub(r'^Parser key "source":', "", str(exc).strip())
+        raise RecipeError(explain(message, where)) from None

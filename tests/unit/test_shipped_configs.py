@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from astralight.launch.check import check_prompt_source
+from astralight.launch.recipe import RecipeError
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
@@ -29,18 +32,10 @@ def _kind(path: Path) -> str:
 
 
 def _check_source(spec: dict | None, where: str) -> None:
-    from jsonargparse import ArgumentParser
-
-    from astralight.tasks.base import PromptSource
-
-    if spec is None:
-        return
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--source", type=PromptSource)
     try:
-        parser.parse_object({"source": spec})
-    except Exception as exc:  # pragma: no cover - the assertion message is the point
-        pytest.fail(f"{where}: {exc}")
+        check_prompt_source(spec, where)
+    except RecipeError as exc:  # pragma: no cover - the assertion message is the point
+        pytest.fail(str(exc))
 
 
 def test_configs_exist():
