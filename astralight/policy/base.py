@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import do_nothing_closure
 import torch
 from torch import Tensor
 
@@ -22,7 +23,8 @@ from astralight.hf_models import check_model_path
 from astralight.lora import LoraSpec
 from astralight.policy import batch as batch_ops
 from astralight.policy.causal_lm import build_policy_models, save_model_folder
-from astralight.policy.metrics import batch_stats, combine_metrics, perf_metrics
+from astralight.policy.metrics import (batch_stats, combine_metrics, mean_over_updates,
+                                       perf_metrics)
 from astralight.policy.metrics import staleness_reference as _staleness_reference
 from astralight.policy.optimizer import build_optimizers, check_class_spec
 from astralight.rl.entropy import masked_entropy_sum
@@ -72,6 +74,18 @@ class RLPolicy(pl.LightningModule):
             otherwise are refused (their behaviour log-probs would not be comparable).
         lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
         micro_batch_size: samples per forward/backward; ``None`` = the whole batch at once.
+        minibatches: optimizer updates per pass over a batch: the batch is cut into this many
+            contiguous parts of (nearly) equal size, each its own clip + optimizer step with its
+            own :meth:`loss_context` (verl's PPO mini-batches, TRL's ``steps_per_generation``).
+            Contiguous parts keep a task's samples together (the datamodule serves them so).
+        batch_passes: passes over each batch (PPO epochs, TRL's ``num_iterations``): a pass
+            after the first re-reads the same samples with the weights the earlier updates
+            made, so the ratio to the behaviour log-probs moves off 1 and the objective's trust
+            region (M2PO's second-moment mask, PPO's clip) bounds the reuse. When rollouts are
+            the bottleneck (the trainer waits for batches), more updates per batch turn that
+            wait into learning; ``minibatches * batch_passes`` optimizer updates per batch in
+            all. The batch is still one Lightning step: ``global_step``, ``max_steps``, the
+            published version and checkpoint intervals count batches, as with one update.
         grad_clip: max global gradient norm (``None`` or 0: no clipping, norm still logged).
         normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
         seed: torch seed set at fit start.
@@ -90,7 +104,7 @@ class RLPolicy(pl.LightningModule):
             ``init_args``). ``astralight fit --optimizer SGD --optimizer.lr 0.01`` (or a
             top-level ``optimizer:`` in the trainer YAML) sets it.
         lr_scheduler: ``{class_path, init_args}`` of a ``torch.optim.lr_scheduler.LRScheduler``
-            that replaces the warm-up, stepped once per optimizer step (``astralight fit
+            that replaces the warm-up, stepped once per optimizer update (``astralight fit
             --lr_scheduler``); ``ReduceLROnPlateau`` is refused (it needs a monitored metric).
 
     Gradient clipping is ``grad_clip`` (the policy optimises manually, so Lightning's own
@@ -113,6 +127,8 @@ class RLPolicy(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
         micro_batch_size: int | None = None,
+        minibatches: int = 1,
+        batch_passes: int = 1,
         grad_clip: float | None = 1.0,
         normalize_advantages: bool = False,
         seed: int = 0,
@@ -135,6 +151,10 @@ class RLPolicy(pl.LightningModule):
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
+        for name, value in (("minibatches", minibatches), ("batch_passes", batch_passes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1 (1: one optimizer update per "
+                                 f"batch), got {value!r}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
         optimizer = check_class_spec(optimizer, "optimizer", torch.optim.Optimizer)
@@ -165,6 +185,8 @@ class RLPolicy(pl.LightningModule):
         self.betas = tuple(betas)
         self.warmup_steps = warmup_steps
         self.micro_batch_size = micro_batch_size
+        self.minibatches = minibatches
+        self.batch_passes = batch_passes
         self.grad_clip = grad_clip
         self.normalize_advantages = normalize_advantages
         self.seed = seed
@@ -443,20 +465,55 @@ class RLPolicy(pl.LightningModule):
         params = [p for p in self.model.parameters() if p.grad is not None]
         return clip_grad_norm(params, self.grad_clip or None, device=self.device)
 
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        t0 = time.perf_counter()
-        self.check_batch(batch)
-        prepared = self.prepare_batch(batch)
-        metrics = self.accumulate_gradients(prepared)
+    def update_slices(self, n: int) -> list[slice]:
+        """The parts of a batch of ``n`` samples that get one optimizer update each, in order,
+        for one pass (:attr:`minibatches` contiguous parts; the first ones one sample larger
+        when ``n`` does not divide)."""
+        if n < self.minibatches:
+            raise ValueError(
+                f"minibatches: {self.minibatches} updates per pass need at least that many "
+                f"samples, but this batch has {n}; lower model.init_args.minibatches or raise "
+                "the datamodule's batch_size")
+        base, extra = divmod(n, self.minibatches)
+        out, start = [], 0
+        for i in range(self.minibatches):
+            size = base + (1 if i < extra else 0)
+            out.append(slice(start, start + size))
+            start += size
+        return out
 
-        opt = self.optimizers()
-        lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
+    def _optimizer_update(self, opt, last: bool) -> Tensor:
+        """Clip, step and zero the gradients; returns the clipped-before norm. Only the batch's
+        last update goes through the LightningOptimizer (which counts ``global_step``); the
+        others go straight to the strategy, so the precision plugin still wraps them."""
         grad_norm = self._clip_and_norm()
-        opt.step()
+        if last:
+            opt.step()
+        else:
+            self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
         opt.zero_grad(set_to_none=True)
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
+        return grad_norm
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        t0 = time.perf_counter()
+        self.check_batch(batch)
+        prepared = self.prepare_batch(batch)
+        n = prepared["input_ids"].shape[0]
+        opt = self.optimizers()
+        lr = float(opt.param_groups[0]["lr"])  # the rate this batch's first update uses
+        parts = self.update_slices(n)
+        plan = [sl for _ in range(self.batch_passes) for sl in parts]
+        updates: list[tuple[dict[str, Tensor], Tensor]] = []
+        for i, sl in enumerate(plan):
+            part = prepared if len(plan) == 1 else self._slice(prepared, sl, n)
+            step_metrics = self.accumulate_gradients(part)
+            updates.append((step_metrics, self._optimizer_update(opt, last=i == len(plan) - 1)))
+        metrics = updates[0][0] if len(updates) == 1 else mean_over_updates(
+            [m for m, _ in updates])
+        grad_norm = torch.stack([g.detach().float() for _, g in updates]).mean()
 
         now = time.perf_counter()
         wait_s = float(batch.get("wait_s", 0.0) or 0.0)
@@ -469,9 +526,11 @@ class RLPolicy(pl.LightningModule):
             dm.acknowledge(batch["batch_id"], wait_s=wait_s, step_s=interval)
 
         metrics.update(self._batch_stats(batch, prepared))
-        metrics["grad_norm"] = grad_norm.detach().float()
+        metrics["grad_norm"] = grad_norm
         metrics["lr"] = torch.tensor(lr)
-        n_samples = prepared["input_ids"].shape[0]
+        if len(plan) > 1:
+            metrics["updates"] = torch.tensor(float(len(plan)))
+        n_samples = n
         logged = {f"train/{k}": v for k, v in metrics.items() if k != "loss"}
         logged.update(perf_metrics(prepared, wait_s, compute_s, interval))
         logged.update({f"agent/{k}": float(v) for k, v in (batch.get("agent_stats") or {}).items()})

@@ -34,6 +34,23 @@ def combine_metrics(parts: list[tuple[float, dict[str, Tensor]]]) -> dict[str, T
     return out
 
 
+def mean_over_updates(updates: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Combine the metrics of a batch's several optimizer updates (``minibatches`` /
+    ``batch_passes``) into one logged value per key: ``*_max``/``*_min`` by max/min, everything
+    else (losses included: each update's is normalised by its own part) the plain mean."""
+    out: dict[str, Tensor] = {}
+    for key in sorted({k for m in updates for k in m}):
+        stacked = torch.stack([torch.as_tensor(m[key]).detach().float()
+                               for m in updates if key in m])
+        if key.endswith("_max"):
+            out[key] = stacked.max()
+        elif key.endswith("_min"):
+            out[key] = stacked.min()
+        else:
+            out[key] = stacked.mean()
+    return out
+
+
 def staleness_reference(batch: dict) -> int | None:
     """The version staleness is measured against: the batch's ``trainer_version`` (the
     version of the weights this step is applied to, stamped by the datamodule from the

@@ -199,3 +199,69 @@ def test_micro_batches_never_ask_a_non_ddp_wrapper_for_no_sync(tiny_model_dir):
         policy._trainer = None
     assert len(backwards) == 2  # one backward per micro-batch, none under no_sync
     assert all(p.grad is not None for p in policy.model.parameters() if p.requires_grad)
+
+
+def test_several_updates_per_batch_stay_one_step(tiny_model_dir, tmp_path):
+    """``minibatches`` x ``batch_passes`` optimizer updates per batch, each stepping the
+    optimizer and the schedule, while ``global_step`` (versions, max_steps) counts batches and
+    every batch is acknowledged once."""
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3)
+    policy = M2POPolicy(str(tiny_model_dir), lr=1e-3, warmup_steps=8, minibatches=2,
+                        batch_passes=2)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    fake.trainer = trainer
+    trainer.fit(policy, datamodule=make_data(fake))
+
+    assert trainer.global_step == 2
+    assert [s for _, s in fake.acks] == [1, 2]
+    adam = policy.optimizers().optimizer
+    steps = {int(state["step"]) for state in adam.state.values()}
+    assert steps == {8}  # 2 batches x 2 passes x 2 minibatches
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/updates"]) == 4
+    # the second batch's first update is the fifth of the warm-up: lr x 5/8
+    assert float(metrics["train/lr"]) == pytest.approx(1e-3 * 5 / 8)
+    assert torch.isfinite(metrics["train/loss"])
+
+
+class _KeepsBatch(M2POPolicy):
+    def training_step(self, batch, batch_idx):
+        self.seen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        return super().training_step(batch, batch_idx)
+
+
+def test_minibatches_equal_sequential_steps_on_the_parts(tiny_model_dir, tmp_path):
+    """A fit step with two minibatches is two AdamW steps, each on its half of the batch with
+    the half's own context: the same weights as stepping on the halves by hand."""
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.4, seed=5)
+    policy = _KeepsBatch(str(tiny_model_dir), lr=1e-2, grad_clip=None, minibatches=2)
+    make_trainer(tmp_path, max_steps=1).fit(policy, datamodule=make_data(fake))
+
+    def by_hand(parts):
+        ref = M2POPolicy(str(tiny_model_dir), lr=1e-2, grad_clip=None)
+        ref.configure_model()
+        opt = torch.optim.AdamW(ref.model.parameters(), lr=1e-2, weight_decay=0.0)
+        prepared = ref.prepare_batch(policy.seen)
+        for sl in parts:
+            ref.accumulate_gradients(ref._slice(prepared, sl, 4))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return ref.model.state_dict()
+
+    halves = by_hand([slice(0, 2), slice(2, 4)])
+    whole = by_hand([slice(0, 4)])
+    trained = policy.model.state_dict()
+    for name, value in halves.items():
+        torch.testing.assert_close(trained[name], value)
+    assert any(not torch.equal(trained[k], whole[k]) for k in whole)
+
+
+def test_update_counts_are_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match="minibatches: must be an integer >= 1"):
+        M2POPolicy(str(tiny_model_dir), minibatches=0)
+    with pytest.raises(ValueError, match="batch_passes: must be an integer >= 1"):
+        M2POPolicy(str(tiny_model_dir), batch_passes=1.5)
+    policy = M2POPolicy(str(tiny_model_dir), minibatches=3)
+    assert [(s.start, s.stop) for s in policy.update_slices(7)] == [(0, 3), (3, 5), (5, 7)]
+    with pytest.raises(ValueError, match="minibatches: 3 updates per pass need at least"):
+        policy.update_slices(2)
