@@ -95,6 +95,9 @@ class Dataflow:
         #: eval scheduling and recording, with a few completions per evaluated version
         self.evals = evals.EvalScheduler(shared, self.eval_source)
         self.eval_completion_log = self.evals.completions
+        #: per policy, the results of complete eval runs (fixed once complete), so polling
+        #: :meth:`eval_results` does not re-read every report of the run under the lock
+        self._complete_evals: dict[str, dict[int, dict]] = {}
         #: largest batch each policy's trainers pulled since start: the demand cap's floor
         self.largest_pull: dict[str, int] = dict.fromkeys(self.model_ids, 0)
         #: the plugins' generators, snapshots and curator journal
@@ -526,7 +529,8 @@ class Dataflow:
         self._model(model_id)
         with self.lock:
             return evals.aggregate(self.store, model_id,
-                                   benchmarks=evals.benchmark_map(self.eval_source))
+                                   benchmarks=evals.benchmark_map(self.eval_source),
+                                   complete=self._complete_evals.setdefault(model_id, {}))
 
     def stats(self, now: float | None = None) -> dict:
         with self.lock:

@@ -161,8 +161,8 @@ def pass_table(rows: list[EvalReportRow], ks: list[int]) -> dict[str, float]:
                      if rows else 0.0) for j in ks}
 
 
-def aggregate(store: Store, model_id: str,
-              benchmarks: dict[int, str] | None = None) -> dict[int, dict]:
+def aggregate(store: Store, model_id: str, benchmarks: dict[int, str] | None = None,
+              complete: dict[int, dict] | None = None) -> dict[int, dict]:
     """Results per eval version: ``avg_at_k`` (mean reward of all samples), ``pass_at_k`` (mean
     over reported prompts of the unbiased pass@k at the run's ``k``), ``pass_at`` (``{"1": ..,
     "4": ..}``: pass@k for every k of ``eval.pass_k``), ``k``, ``n`` (samples per prompt),
@@ -174,9 +174,17 @@ def aggregate(store: Store, model_id: str,
     avg@k over the benchmarks with at least one report, so a 30-problem AIME counts as much as
     MATH-500), ``benchmark_average_pass_at_k`` and ``benchmark_average_pass_at`` (the same mean
     of pass@k). Prompts missing from the map are grouped under ``"unknown"``.
+
+    ``complete`` (the caller's, kept across calls) holds the results of complete runs, which no
+    report can change any more (reports are insert-once): they are read from it, not
+    recomputed, and every run found complete is added to it. The service passes one, so that a
+    monitor polling the results costs the newest runs, not every report of the run so far.
     """
     out: dict[int, dict] = {}
     for run in store.eval_runs(model_id):
+        if complete is not None and run.version in complete:
+            out[run.version] = dict(complete[run.version])
+            continue
         reports = store.eval_reports(model_id, run.version)
         k, n, ks = run_settings(run)
         n_samples = sum(r.n_samples for r in reports)
@@ -205,6 +213,8 @@ def aggregate(store: Store, model_id: str,
             result["tool_call_rate"] = sum(calling) / n_samples if n_samples else 0.0
         if benchmarks is not None:
             result.update(per_benchmark(reports, k, run.n_prompts, benchmarks, ks))
+        if complete is not None and result["complete"]:
+            complete[run.version] = dict(result)
     return out
 
 

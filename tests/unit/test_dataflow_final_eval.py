@@ -107,3 +107,32 @@ def test_balance_windows_can_end_at_a_chosen_version(tmp_path):
         assert info.value.field == "last"
     finally:
         flow.close()
+
+
+def test_complete_eval_runs_are_not_recomputed(tmp_path):
+    """``eval_results`` reads the reports of runs still open and reuses complete ones (fixed
+    once complete); the answers equal a fresh aggregate's."""
+    from astralight.dataflow import evals
+
+    flow = Dataflow(_config(tmp_path, eval=EVAL))
+    try:
+        flow.register(["policy"], 8, "raas-a", {})
+        for t in flow.lease("raas-a", 8):
+            if t.kind == "eval":  # version 0's eval, completed
+                flow.push("raas-a", t.task_id, samples(t, [1.0, 0.0]))
+        publish(flow, 1)
+        flow.request_eval("policy", 1)  # scheduled, not reported: still open
+        read = []
+        real = flow.store.eval_reports
+        flow.store.eval_reports = lambda m, v: read.append(v) or real(m, v)
+        first = flow.eval_results("policy")
+        assert first[0]["complete"] and not first[1]["complete"]
+        assert sorted(read) == [0, 1]
+        read.clear()
+        again = flow.eval_results("policy")
+        assert read == [1]  # the complete run came from the cache
+        assert again == first == evals.aggregate(flow.store, "policy")
+        again[0]["avg_at_k"] = -1.0  # a caller's change does not reach the cache
+        assert flow.eval_results("policy")[0]["avg_at_k"] == 0.5
+    finally:
+        flow.close()
