@@ -70,6 +70,10 @@ class RLPolicy(pl.LightningModule):
         model_id: the policy this trainer owns; batches of another ``model_id`` are refused.
         kl_coef: k3 KL penalty to the initial model, added to every objective's loss; 0 loads
             no reference model.
+        entropy_coef: weight of an entropy bonus: ``entropy_coef x`` the policy's mean entropy
+            per trained token (at the temperature, over the batch's ``n_tokens``) is subtracted
+            from every objective's loss, against the collapse onto what the policy already
+            samples; 0 (default) adds nothing and computes the entropy as a metric only.
         temperature: sampling temperature of the behaviour policy; batches whose samples say
             otherwise are refused (their behaviour log-probs would not be comparable).
         lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
@@ -121,6 +125,7 @@ class RLPolicy(pl.LightningModule):
         model_path: str,
         model_id: str = "policy",
         kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
         temperature: float = 1.0,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -157,6 +162,8 @@ class RLPolicy(pl.LightningModule):
                                  f"batch), got {value!r}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        if entropy_coef < 0:
+            raise ValueError(f"entropy_coef: must be >= 0 (a bonus on entropy), got {entropy_coef}")
         optimizer = check_class_spec(optimizer, "optimizer", torch.optim.Optimizer)
         lr_scheduler = check_class_spec(lr_scheduler, "lr_scheduler",
                                         torch.optim.lr_scheduler.LRScheduler)
@@ -179,6 +186,7 @@ class RLPolicy(pl.LightningModule):
         self.model_path = model_path
         self.model_id = model_id
         self.kl_coef = kl_coef
+        self.entropy_coef = entropy_coef
         self.temperature = temperature
         self.lr = lr
         self.weight_decay = weight_decay
@@ -258,16 +266,17 @@ class RLPolicy(pl.LightningModule):
                                   self.logprob_chunk_tokens)
 
     def logprobs_with_entropy(self, input_ids: Tensor, attention_mask: Tensor | None,
-                              mask: Tensor) -> tuple[Tensor, Tensor, int]:
+                              mask: Tensor, grad: bool = False) -> tuple[Tensor, Tensor, int]:
         """:meth:`forward` plus the policy's entropy from the same logits (no second forward):
         ``(logp [B, T-1], sum of per-token entropies over mask, masked token count)``; the
-        entropy is that of the sampling distribution (at the temperature), without gradient."""
+        entropy is that of the sampling distribution (at the temperature), without gradient
+        unless ``grad`` (the entropy bonus)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         logits = (out.logits if hasattr(out, "logits") else out[0])[:, :-1]
         logp = token_logprobs(logits, input_ids[:, 1:], self.temperature,
                               self.logprob_chunk_tokens)
         entropy, count = masked_entropy_sum(logits, mask, self.temperature,
-                                            self.logprob_chunk_tokens)
+                                            self.logprob_chunk_tokens, grad=grad)
         return logp, entropy, count
 
     def save_pretrained(self, path: str) -> None:
@@ -426,15 +435,16 @@ class RLPolicy(pl.LightningModule):
         """
         n = batch["input_ids"].shape[0]
         slices = self._micro_slices(n)
+        bonus = self.entropy_coef > 0
         if len(slices) == 1:
             logp, entropy, count = self.logprobs_with_entropy(
-                batch["input_ids"], batch["attention_mask"], batch["mask"])
+                batch["input_ids"], batch["attention_mask"], batch["mask"], grad=bonus)
             full = {**batch, **self.loss_context(batch, logp.detach())}
-            loss, metrics = self.objective(full, logp)
+            loss, metrics = self._with_entropy_bonus(full, *self.objective(full, logp), entropy)
             self._backward(loss, sync=True)
             out = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
             out["loss"] = loss.detach().float()
-            out["entropy"] = entropy / max(1, count)
+            out["entropy"] = entropy.detach() / max(1, count)
             return out
         with torch.no_grad():
             passes = [self.logprobs_with_entropy(batch["input_ids"][sl],
@@ -447,8 +457,14 @@ class RLPolicy(pl.LightningModule):
         parts: list[tuple[float, dict[str, Tensor]]] = []
         for i, sl in enumerate(slices):
             micro = self._slice(full, sl, n)
-            logp = self(micro["input_ids"], micro["attention_mask"])
-            loss, metrics = self.objective(micro, logp)
+            if bonus:
+                logp, micro_entropy, _ = self.logprobs_with_entropy(
+                    micro["input_ids"], micro["attention_mask"], micro["mask"], grad=True)
+                loss, metrics = self._with_entropy_bonus(
+                    micro, *self.objective(micro, logp), micro_entropy)
+            else:
+                logp = self(micro["input_ids"], micro["attention_mask"])
+                loss, metrics = self.objective(micro, logp)
             self._backward(loss, sync=i == len(slices) - 1)
             total_loss = total_loss + loss.detach().float()
             parts.append((float(micro["mask"].sum()), metrics))
@@ -456,6 +472,16 @@ class RLPolicy(pl.LightningModule):
         out["loss"] = total_loss
         out["entropy"] = entropy
         return out
+
+    def _with_entropy_bonus(self, batch: dict, loss: Tensor, metrics: dict,
+                            entropy_sum: Tensor) -> tuple[Tensor, dict]:
+        """``loss - entropy_coef * entropy_sum / n_tokens`` (the bonus, normalised by the whole
+        batch's tokens like every loss, so micro-batches add up) and its ``entropy_loss``
+        metric; the loss unchanged when ``entropy_coef`` is 0."""
+        if self.entropy_coef <= 0:
+            return loss, metrics
+        bonus = -self.entropy_coef * entropy_sum / batch["n_tokens"]
+        return loss + bonus, {**metrics, "entropy_loss": bonus.detach()}
 
     def _clip_and_norm(self) -> Tensor:
         """Clip to ``grad_clip`` by the global norm over all ranks' gradients (FSDP2 DTensor

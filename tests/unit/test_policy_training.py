@@ -265,3 +265,30 @@ def test_update_counts_are_checked(tiny_model_dir):
     assert [(s.start, s.stop) for s in policy.update_slices(7)] == [(0, 3), (3, 5), (5, 7)]
     with pytest.raises(ValueError, match="minibatches: 3 updates per pass need at least"):
         policy.update_slices(2)
+
+
+def test_entropy_bonus_is_in_the_loss_and_micro_batches_add_up(tiny_model_dir):
+    """``entropy_coef`` subtracts coef x the mean entropy per trained token from the loss, with
+    its gradient; micro-batching gives the same gradient as one pass."""
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.4, seed=7)
+    batch = collate_batch(fake.make_batch(6))
+    runs = {}
+    for coef, mbs in ((0.0, None), (0.5, None), (0.5, 2)):
+        policy = M2POPolicy(str(tiny_model_dir), entropy_coef=coef, micro_batch_size=mbs)
+        policy.configure_model()
+        out = policy.accumulate_gradients(policy.prepare_batch(batch))
+        runs[coef, mbs] = (out, {n: p.grad.clone() for n, p in policy.model.named_parameters()})
+    plain, _ = runs[0.0, None]
+    bonus, grads = runs[0.5, None]
+    assert float(bonus["entropy"]) > 0
+    assert float(bonus["entropy_loss"]) == pytest.approx(-0.5 * float(bonus["entropy"]), rel=1e-4)
+    assert float(bonus["loss"]) == pytest.approx(
+        float(plain["loss"]) - 0.5 * float(plain["entropy"]), rel=1e-4, abs=1e-6)
+    assert "entropy_loss" not in plain
+    assert any(not torch.allclose(g, runs[0.0, None][1][n]) for n, g in grads.items())
+    micro, micro_grads = runs[0.5, 2]
+    assert float(micro["entropy_loss"]) == pytest.approx(float(bonus["entropy_loss"]), rel=1e-4)
+    for name, g in grads.items():
+        torch.testing.assert_close(micro_grads[name], g, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="entropy_coef: must be >= 0"):
+        M2POPolicy(str(tiny_model_dir), entropy_coef=-0.1)
