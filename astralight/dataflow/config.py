@@ -130,6 +130,9 @@ class DataflowConfig:
         workflow: workflow name written into each task for the RaaS.
         source: train prompt source ``{class_path, init_args}`` (a PromptSource).
         group_size: samples per train task (the group of the group-normalised advantage).
+        advantage_scale: ``"std"`` (GRPO: ``(r - mean) / (std + eps)`` per group) or
+            ``"none"`` (Dr. GRPO: ``r - mean``, no division by the group's std, which
+            up-weights groups whose rewards barely differ).
         lease_seconds: a leased task not pushed within this is re-issued (and counts as a
             failure of the instance that held it). Also the membership clock: an instance silent
             for half of it is ``suspect``, for all of it ``gone``.
@@ -247,6 +250,7 @@ class DataflowConfig:
     workflow: str = "single_turn"
     source: dict = field(default_factory=_default_source)
     group_size: int = 8
+    advantage_scale: str = "std"
     lease_seconds: float = 60.0
     suspect_failures: int = 3
     slow_factor: float = 3.0
@@ -310,6 +314,9 @@ class DataflowConfig:
         if rp.ratio > 0 and not rp.selectors:
             raise ValueError("replay.selectors: replay is on (ratio > 0) but no selector is "
                              "configured; use [uniform]")
+        if self.advantage_scale not in ("std", "none"):
+            raise ValueError(f"advantage_scale: must be 'std' (GRPO) or 'none' (Dr. GRPO: r - "
+                             f"mean), got {self.advantage_scale!r}")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode: must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.sync_batch_size < 1:

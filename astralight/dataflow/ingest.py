@@ -166,10 +166,10 @@ def filter_groups(filters: Iterable[DataPlugin], samples: list[Sample]
     return kept, kept_groups, {m: [float(s.reward) for s in g] for m, g in groups.items()}
 
 
-def assign_advantages(samples: list[Sample]) -> None:
+def assign_advantages(samples: list[Sample], scale_by_std: bool = True) -> None:
     """Group-normalised advantages per (model_id, role) within one task
     (:func:`astralight.rl.advantages.group_stats`), stored on each sample with its group's
-    mean and std.
+    mean and std; ``scale_by_std=False`` (``advantage_scale: none``) keeps ``r - mean``.
 
     One policy may play several roles in a workflow (a self-verifying solver); its answers and
     its verdicts are rewarded on different scales, so each role is its own group.
@@ -178,7 +178,7 @@ def assign_advantages(samples: list[Sample]) -> None:
     for s in samples:
         groups[s.model_id, s.role].append(s)
     for group in groups.values():
-        mean, std, advantages = group_stats([s.reward for s in group])
+        mean, std, advantages = group_stats([s.reward for s in group], scale_by_std=scale_by_std)
         for s, adv in zip(group, advantages):
             s.group_mean, s.group_std, s.advantage = mean, std, adv
 
@@ -226,7 +226,7 @@ class Ingest(Part):
             limits_of=lambda m: sample_limits(instance_id, m, cfg.vocab_sizes,
                                               self.pool.instance_limits),
             versions=self.versions, temperatures=cfg.temperatures)
-        assign_advantages(samples)
+        assign_advantages(samples, scale_by_std=cfg.advantage_scale == "std")
         with self.store.tx() as tx:
             if row.kind == "eval":  # scored, never queued for training
                 self.evals.record(tx, row, samples, now)

@@ -22,14 +22,18 @@ if TYPE_CHECKING:
 ADV_EPS = 1e-6
 
 
-def group_stats(rewards: Sequence[float], eps: float = ADV_EPS) -> tuple[float, float, list[float]]:
+def group_stats(rewards: Sequence[float], eps: float = ADV_EPS,
+                scale_by_std: bool = True) -> tuple[float, float, list[float]]:
     """``(mean, std, advantages)`` of one group's rewards: the population std in float64 and
-    ``A = (r - mean) / (std + eps)`` per reward, so a singleton or an all-equal group gets 0.
+    ``A = (r - mean) / (std + eps)`` per reward, so a singleton or an all-equal group gets 0;
+    ``scale_by_std=False`` gives Dr. GRPO's ``A = r - mean``.
 
     The dataflow's ingest path (no torch): it stores ``mean`` and ``std`` on every sample too.
     """
     values = np.asarray(rewards, dtype=np.float64)
     mean, std = float(values.mean()), float(values.std())
+    if not scale_by_std:
+        return mean, std, [float(r - mean) for r in rewards]
     return mean, std, [(r - mean) / (std + eps) for r in rewards]
 
 

@@ -26,3 +26,11 @@ def test_group_stats_agrees_with_the_torch_implementation():
     rewards = [0.0, 1.0, 0.5, 0.5, 2.0]
     torch_adv = group_normalized_advantages(torch.tensor(rewards), [0] * len(rewards))
     assert np.allclose(group_stats(rewards)[2], torch_adv.numpy(), atol=1e-6)
+
+
+def test_dr_grpo_keeps_the_centred_reward():
+    rewards = [0.0, 1.0, 1.0, 0.25]
+    mean, std, adv = group_stats(rewards, scale_by_std=False)
+    assert (mean, std) == group_stats(rewards)[:2]
+    assert adv == [r - mean for r in rewards]
+    assert group_stats([1.0, 1.0], scale_by_std=False)[2] == [0.0, 0.0]

@@ -142,3 +142,18 @@ def test_instance_status_and_throughput_share_in_stats_and_balance(tmp_path):
     assert report["live_instances"] == 2 and report["decision"]["pool"] == 2
     assert [r["instance_id"] for r in report["instances"]] == ["a", "b", "c"]
     flow.close()
+
+
+@pytest.mark.parametrize("scale,expected", [("std", [1.0, -1.0]), ("none", [0.5, -0.5])])
+def test_advantage_scale_sets_the_served_advantages(tmp_path, scale, expected):
+    """``advantage_scale: none`` (Dr. GRPO) serves ``r - mean``; ``std`` (GRPO) divides by
+    the group's std; a bad value names the field."""
+    flow = make(tmp_path, advantage_scale=scale)
+    iid = flow.register(["policy"], 8, None, {})["instance_id"]
+    [task] = flow.lease(iid, 1)
+    flow.push(iid, task.task_id, samples(task, [1, 0]))
+    batch = flow.pull("policy", 2)
+    assert [round(s.advantage, 4) for s in batch.samples] == expected
+    flow.close()
+    with pytest.raises(ValueError, match="advantage_scale: must be 'std'"):
+        DataflowConfig(advantage_scale="mean")
