@@ -1,7 +1,9 @@
 """``WeightPublisher``: publishes the policy's weights as bf16 bit-diff deltas, off the step.
 
-After every ``every_n_steps`` optimizer steps the callback publishes version
-``v = optimizer_steps // every_n_steps`` of its policy (version 0 is the initial model). That is
+After every ``every_n_steps`` training steps (Lightning's ``global_step``: one per batch, also
+for a policy that takes several optimizer updates per batch, ``RLPolicy(minibatches=...,
+batch_passes=...)``) the callback publishes version ``v = global_step // every_n_steps`` of its
+policy (version 0 is the initial model). That is
 also the trainer's own version of its current weights (:meth:`WeightPublisher.weights_version`),
 which the datamodule stamps on every batch as ``trainer_version`` and ``train/staleness_*`` is
 measured against.
@@ -175,7 +177,7 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
     Args:
         dataflow_url: the dataflow service (default: the datamodule's ``dataflow_url``).
         model_id: the policy (default: the module's ``model_id``, else the datamodule's).
-        every_n_steps: optimizer steps per published version.
+        every_n_steps: training steps (batches) per published version.
         full_every: a full version every this many versions (and on the first publication);
             deltas onto the last published version in between; 0 = only the first is full.
         worker: ``"process"`` (default): encode, upload and publish in a child process

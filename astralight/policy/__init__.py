@@ -3,8 +3,9 @@
 One trainer process per policy (``model_id``). Each training step takes one trainer batch (see
 ``astralight.datamodules.rollout.collate_batch``: right-padded ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
 ``versions``, per-sample ``advantages``), computes the policy's token log-probs at the sampling
-temperature, the objective, and takes **one optimizer step**; then it acknowledges the batch to
-the dataflow, so a crash before the step re-serves it.
+temperature, the objective, and takes **one optimizer step** (or ``minibatches x batch_passes``
+updates: PPO mini-batches and epochs over the same batch, still one Lightning step, one version);
+then it acknowledges the batch to the dataflow, so a crash before the step re-serves it.
 
 :class:`RLPolicy` does everything that is not the objective: loading the Hugging Face model,
 checking and shifting the batch, log-probs (chunked, at the temperature), micro-batching and
