@@ -602,16 +602,32 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
             # second here, so a kill at the last version could land after the run's end, leaving
             # nothing to recover; measured once: killed at version 8 of 8). SIGSTOP the whole
             # group the moment the condition holds, so the version read next is the one killed.
+            # A trainer that trains from a full buffer publishes a version every few tens of
+            # milliseconds, shorter than a poll: so once the version is in range the whole group
+            # is stopped first and the version read while it cannot move; at a version on a
+            # checkpoint it is continued and polled again.
             last = run.ckpt_dir / "last.ckpt"
+            group = run.trainer.proc.pid
 
-            def just_past_a_checkpoint() -> bool:
+            def in_range(v: int) -> bool:
+                return last.exists() and s.fault_at <= v <= s.versions - 2
+
+            def stopped_just_past_a_checkpoint() -> bool:
+                if not run.trainer.alive():
+                    raise ScenarioError(f"the trainer finished (version {run.version()}) before "
+                                        "it was seen one step past a checkpoint")
+                if not in_range(run.version()):
+                    return False
+                os.killpg(group, signal.SIGSTOP)
+                time.sleep(0.2)  # a publication already sent lands
                 v = run.version()
-                return (last.exists() and v % s.ckpt_every == 1 % s.ckpt_every
-                        and s.fault_at <= v <= s.versions - 2)
+                if in_range(v) and v % s.ckpt_every == 1 % s.ckpt_every:
+                    return True
+                os.killpg(group, signal.SIGCONT)
+                return False
 
-            run.wait(just_past_a_checkpoint, s.timeout_s,
-                     "a last.ckpt and a version just past a checkpoint", poll_s=0.05)
-            os.killpg(run.trainer.proc.pid, signal.SIGSTOP)
+            run.wait(stopped_just_past_a_checkpoint, s.timeout_s,
+                     "a last.ckpt and a version just past a checkpoint", poll_s=0.02)
             detail["killed_at_version"] = run.version()
             run.retire(run.trainer)
             t_clear = time.time()
