@@ -3,9 +3,11 @@
 The entropy of the policy's next-token distribution at the sampling temperature,
 ``H = logsumexp(z / T) - sum_j softmax(z / T)_j * z_j / T``, is the usual early warning of an RL
 run collapsing (entropy falling to 0) or blowing up. The trainer computes it from the logits of
-the forward pass it runs anyway (no extra forward), without gradient, over the loss-masked tokens
-only (or with it, for an entropy bonus), chunk by chunk so that only one chunk of ``[chunk, V]`` is ever upcast to float32 (the same
-memory bound as :mod:`astralight.rl.logprobs`).
+the forward pass it runs anyway (no extra forward), over the loss-masked tokens only, chunk by
+chunk so that only one chunk of ``[chunk, V]`` is ever upcast to float32 (the same memory bound
+as :mod:`astralight.rl.logprobs`). As a metric it has no gradient; for an entropy bonus
+(``RLPolicy(entropy_coef=...)``) it keeps it, and then every chunk's float32 copy stays in the
+graph until the backward.
 """
 
 from __future__ import annotations
