@@ -500,13 +500,7 @@ class RLPolicy(pl.LightningModule):
                 f"minibatches: {self.minibatches} updates per pass need at least that many "
                 f"samples, but this batch has {n}; lower model.init_args.minibatches or raise "
                 "the datamodule's batch_size")
-        base, extra = divmod(n, self.minibatches)
-        out, start = [], 0
-        for i in range(self.minibatches):
-            size = base + (1 if i < extra else 0)
-            out.append(slice(start, start + size))
-            start += size
-        return out
+        return batch_ops.even_slices(n, self.minibatches)
 
     def _optimizer_update(self, opt, last: bool) -> Tensor:
         """Clip, step and zero the gradients; returns the clipped-before norm. Only the batch's

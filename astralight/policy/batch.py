@@ -4,7 +4,7 @@ The batch comes from :func:`astralight.datamodules.rollout.collate_batch` (right
 ``[B, T]`` tensors plus per-sample lists). :func:`check_batch` refuses one the policy cannot
 train on correctly; :func:`prepare_batch` shifts it (``[:, 1:]``, aligned with the policy's
 log-probs) and adds the group structure; :func:`micro_slices` / :func:`slice_batch` cut it into
-micro-batches. :class:`astralight.policy.RLPolicy` calls these from its methods of the same names.
+micro-batches, :func:`even_slices` into the parts of a batch that get one optimizer update each. :class:`astralight.policy.RLPolicy` calls these from its methods of the same names.
 """
 
 from __future__ import annotations
@@ -97,6 +97,16 @@ def micro_slices(n: int, size: int | None) -> list[slice]:
     """Slices of ``size`` samples covering a batch of ``n`` (``None``: one slice of all)."""
     size = size or n
     return [slice(i, min(n, i + size)) for i in range(0, n, size)] or [slice(0, 0)]
+
+
+def even_slices(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices covering a batch of ``n`` (``n >= parts``), in order, of
+    (nearly) equal size: the first ``n % parts`` one sample larger."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def slice_batch(batch: dict, sl: slice, n: int) -> dict:

@@ -12,16 +12,18 @@ import torch
 from torch import Tensor
 
 
-def combine_metrics(parts: list[tuple[float, dict[str, Tensor]]]) -> dict[str, Tensor]:
+def combine_metrics(parts: list[tuple[float, dict[str, Tensor]]],
+                    add_losses: bool = True) -> dict[str, Tensor]:
     """Combine micro-batch metrics: ``*_loss`` add up (each is already normalised by the whole
-    batch), ``*_max``/``*_min`` take max/min, everything else a token-weighted mean."""
+    batch; with ``add_losses=False`` they are averaged like the rest), ``*_max``/``*_min`` take
+    max/min, everything else a mean weighted by each part's weight (its loss tokens)."""
     out: dict[str, Tensor] = {}
     keys = {k for _, m in parts for k in m}
     for key in sorted(keys):
         vals = [(w, torch.as_tensor(m[key]).detach().float()) for w, m in parts if key in m]
         stacked = torch.stack([v for _, v in vals])
         weights = torch.tensor([w for w, _ in vals], device=stacked.device)
-        if key.endswith("_loss"):
+        if add_losses and key.endswith("_loss"):
             out[key] = stacked.sum()
         elif key.endswith("_max"):
             out[key] = stacked.max()
@@ -38,17 +40,7 @@ def mean_over_updates(updates: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Combine the metrics of a batch's several optimizer updates (``minibatches`` /
     ``batch_passes``) into one logged value per key: ``*_max``/``*_min`` by max/min, everything
     else (losses included: each update's is normalised by its own part) the plain mean."""
-    out: dict[str, Tensor] = {}
-    for key in sorted({k for m in updates for k in m}):
-        stacked = torch.stack([torch.as_tensor(m[key]).detach().float()
-                               for m in updates if key in m])
-        if key.endswith("_max"):
-            out[key] = stacked.max()
-        elif key.endswith("_min"):
-            out[key] = stacked.min()
-        else:
-            out[key] = stacked.mean()
-    return out
+    return combine_metrics([(1.0, m) for m in updates], add_losses=False)
 
 
 def staleness_reference(batch: dict) -> int | None:
