@@ -1,7 +1,8 @@
 """A small transformers engine: for unit tests, and for checks on machines without vLLM.
 
 It implements the :class:`astralight.engine.Engine` contract over an ``AutoModelForCausalLM``,
-so workflow tests run without vLLM. Two sampling paths:
+so workflow tests run without vLLM. Sampling honours ``temperature``, ``top_p`` (the behaviour
+log-probs are the nucleus's, renormalised) and ``seed``. Two paths:
 
 - ``batch_size=1`` (the default): one request at a time, the whole sequence recomputed each
   token (no KV cache), float32 on CPU, each request seeded ``seed + i`` -- exact and
@@ -19,6 +20,24 @@ from typing import Any
 from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 
 from astralight.raas.engine import BatchedEngine
+
+
+def sampling_logprobs(logits: Any, temperature: float, top_p: float = 1.0) -> Any:
+    """Log-probs ``[..., V]`` of the distribution a token is sampled from: softmax at
+    ``temperature`` and, with ``top_p < 1``, cut to the nucleus (the most probable tokens whose
+    mass before each is below ``top_p``; the most probable is always kept) and renormalised.
+    Tokens outside the nucleus get ``-inf``. These are the behaviour log-probs, as vLLM's
+    ``logprobs_mode="processed_logprobs"`` reports them."""
+    import torch
+
+    lp = torch.log_softmax(logits / temperature, -1)
+    if top_p >= 1.0:
+        return lp
+    sorted_lp, order = lp.sort(-1, descending=True)
+    probs = sorted_lp.exp()
+    outside = (probs.cumsum(-1) - probs) >= top_p  # mass of the more probable tokens
+    drop = torch.zeros_like(outside).scatter(-1, order, outside)
+    return torch.log_softmax(lp.masked_fill(drop, float("-inf")), -1)
 
 
 class HFEngine(BatchedEngine):
@@ -62,8 +81,6 @@ class HFEngine(BatchedEngine):
     def _generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
         import torch
 
-        if params.top_p != 1.0:
-            raise NotImplementedError("top_p: HFEngine samples from the full distribution only")
         stops = self.eos_token_ids | set(params.stop_token_ids)
         if self.batch_size > 1:
             out: list[Completion] = []
@@ -85,7 +102,7 @@ class HFEngine(BatchedEngine):
                     lp = torch.log_softmax(logits, -1)
                     tok = int(torch.argmax(logits))
                 else:
-                    lp = torch.log_softmax(logits / params.temperature, -1)
+                    lp = sampling_logprobs(logits, params.temperature, params.top_p)
                     tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
                 tokens.append(tok)
                 logprobs.append(float(lp[tok]))
@@ -129,7 +146,7 @@ class HFEngine(BatchedEngine):
                     lp = torch.log_softmax(logits, -1)
                     tok = lp.argmax(-1)
                 else:
-                    lp = torch.log_softmax(logits / params.temperature, -1)
+                    lp = sampling_logprobs(logits, params.temperature, params.top_p)
                     tok = torch.multinomial(lp.exp(), 1, generator=gen)[:, 0]
                 tokens.append(tok)
                 logprobs.append(lp.gather(1, tok[:, None])[:, 0])

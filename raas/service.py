@@ -198,12 +198,16 @@ class RaaSService(Membership):
                 manifest = None  # not what the engine holds: nothing to compare with
             entry: dict[str, Any] = {"version": int(engine.version),
                                      "manifest_version": manifest.version if manifest else None}
-            held_fn = getattr(engine, "held_weights", None)
+            held_fn, held = getattr(engine, "held_weights", None), None
             if held_fn is None:
                 entry["error"] = f"{type(engine).__name__} cannot report its weights"
             else:
                 shapes = {n: t["shape"] for n, t in manifest.tensors.items()} if manifest else None
-                held = held_fn(shapes)
+                try:
+                    held = held_fn(shapes)
+                except Exception as exc:  # noqa: BLE001 - one engine's audit failing keeps the rest
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+            if held is not None:
                 entry["held"] = {n: tensor_checksum(t) for n, t in held.items()}
                 if manifest is not None:
                     entry["expected"] = {n: t["sha256"] for n, t in manifest.tensors.items()}

@@ -95,7 +95,9 @@ class WeightReloadExtension:
 
         tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
         if tp != 1:
-            raise NotImplementedError("held_weights: only tensor_parallel_size=1 is supported")
+            raise NotImplementedError(
+                f"held_weights: tensor_parallel_size={tp}: each rank holds a shard and reading "
+                "sharded weights back is not built; audit with tensor_parallel_size=1")
         model = self.model_runner.get_model()
         mapping = getattr(model, "packed_modules_mapping", None) or {}
         wanted = None if names is None else set(names)

@@ -48,3 +48,30 @@ def test_per_request_path_refuses_other_devices(tiny_model_dir):
         HFEngine(str(tiny_model_dir), dtype="bfloat16")
     with pytest.raises(ValueError, match="batch_size"):
         HFEngine(str(tiny_model_dir), batch_size=0)
+
+
+def test_sampling_logprobs_cut_to_the_nucleus_like_vllm():
+    import torch
+
+    from astralight.raas.hf_engine import sampling_logprobs
+
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3], [0.25, 0.25, 0.5]]))
+    assert torch.allclose(sampling_logprobs(logits, 1.0), torch.log_softmax(logits, -1))
+    # 0.6: the mass before 0.3 is 0.5 < 0.6, before 0.2 it is 0.8: {0.5, 0.3} renormalised
+    got = sampling_logprobs(logits, 1.0, top_p=0.6).exp()
+    assert torch.allclose(got[0], torch.tensor([0.0, 0.625, 0.375]))
+    # {0.5, one of the tied 0.25s}: the mass before the second 0.25 is 0.75
+    assert torch.isclose(got[1][2], torch.tensor(2 / 3))
+    assert torch.allclose(got[1][:2].sort().values, torch.tensor([0.0, 1 / 3]))
+    only_first = sampling_logprobs(logits, 1.0, top_p=0.45)  # below the top token's 0.5
+    assert only_first[0].tolist() == [float("-inf"), 0.0, float("-inf")]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_tiny_nucleus_samples_the_greedy_tokens_with_log_prob_zero(tiny_model_dir, batch_size):
+    engine = HFEngine(str(tiny_model_dir), seed=0, batch_size=batch_size)
+    greedy = engine.generate_batch(PROMPTS, SamplingSpec(temperature=0.0, max_tokens=8))
+    nucleus = engine.generate_batch(PROMPTS, SamplingSpec(temperature=1.0, top_p=1e-6,
+                                                          max_tokens=8))
+    assert [c.token_ids for c in nucleus] == [c.token_ids for c in greedy]
+    assert all(lp == 0.0 for c in nucleus for lp in c.logprobs)

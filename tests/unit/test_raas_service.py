@@ -717,3 +717,20 @@ def test_a_drain_whose_dataflow_is_gone_becomes_a_hard_stop():
         svc.close()
     assert codes == exits == [130]
     assert "unreachable for 0.5 s during the drain" in out.getvalue()
+
+
+def test_held_weights_report_records_an_engine_that_cannot_read_back(tmp_path):
+    class Sharded(ScriptedEngine):
+        def held_weights(self, shapes=None):
+            raise NotImplementedError("held_weights: tensor_parallel_size=2: not built")
+
+    svc, out = _service(FakeDataflow(), Sharded(build_tokenizer(), ["82"]))
+    try:
+        report = svc.write_held_weights_report(str(tmp_path / "held.json"))
+    finally:
+        svc.close()
+    entry = report["policy"]
+    assert entry["error"] == "NotImplementedError: held_weights: tensor_parallel_size=2: not built"
+    assert "held" not in entry and "mismatched" not in entry
+    assert "held_weights: tensor_parallel_size=2" in out.getvalue()
+    assert (tmp_path / "held.json").exists()
