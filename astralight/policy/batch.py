@@ -4,7 +4,8 @@ The batch comes from :func:`astralight.datamodules.rollout.collate_batch` (right
 ``[B, T]`` tensors plus per-sample lists). :func:`check_batch` refuses one the policy cannot
 train on correctly; :func:`prepare_batch` shifts it (``[:, 1:]``, aligned with the policy's
 log-probs) and adds the group structure; :func:`micro_slices` / :func:`slice_batch` cut it into
-micro-batches, :func:`even_slices` into the parts of a batch that get one optimizer update each. :class:`astralight.policy.RLPolicy` calls these from its methods of the same names.
+micro-batches, :func:`even_slices` into the parts of a batch that get one optimizer update each.
+:class:`astralight.policy.RLPolicy` calls these from its methods of the same names.
 """
 
 from __future__ import annotations
