@@ -104,10 +104,8 @@ def even_slices(n: int, parts: int) -> list[slice]:
     """``parts`` contiguous slices covering a batch of ``n`` (``n >= parts``), in order, of
     (nearly) equal size: the first ``n % parts`` one sample larger."""
     base, extra = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [slice(i * base + min(i, extra), (i + 1) * base + min(i + 1, extra))
+            for i in range(parts)]
 
 
 def slice_batch(batch: dict, sl: slice, n: int) -> dict:
