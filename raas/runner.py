@@ -3,8 +3,10 @@
 One event loop (the service's main thread) does all of it:
 
 - **lease**: whenever fewer than ``max_concurrency`` episodes are in flight, lease as many tasks
-  as there are free slots (the dataflow may grant fewer); an empty lease waits
-  ``poll_interval_s`` or until an episode ends;
+  as there are free slots (the dataflow may grant fewer). A lease that finds no room is a long
+  poll of up to ``poll_interval_s``: the dataflow answers it as soon as room opens (a trainer's
+  pull, a push, a publish), so the engine does not idle out the rest of a poll interval after
+  the trainers made room;
 - **episodes**: ``await workflow.run(task, engines)`` per task, so a multi-turn episode submits
   its next turn as soon as its own environment step returns and a long episode never holds a
   short one; the engine batches whatever all episodes have in flight (continuous batching);
@@ -174,7 +176,8 @@ class EpisodeRunner:
                     # lease carries several tasks instead of one round trip per task
                     await asyncio.sleep(LEASE_GATHER_S)
                     free = cfg.max_concurrency - len(self.episodes)
-                granted = await self._lease(free)
+                asked = time.monotonic()
+                granted = await self._lease(free, wait_s=cfg.poll_interval_s)
                 if granted is None:  # the dataflow failed; give up or back off
                     if self.exit_code:
                         break
@@ -183,8 +186,9 @@ class EpisodeRunner:
                 svc.maybe_progress()
                 if cfg.max_cycles is not None and self.leases >= cfg.max_cycles:
                     break
-                if granted == 0:
-                    await self._nap(cfg.poll_interval_s)
+                left = cfg.poll_interval_s - (time.monotonic() - asked)
+                if granted == 0 and left > 0:  # the long poll ended early (a stop, a fake)
+                    await self._nap(left)
             await self._finish()
         finally:
             refresher.cancel()
@@ -229,15 +233,18 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ leasing
 
-    async def _lease(self, free: int, raise_errors: bool = False) -> int | None:
-        """Lease up to ``free`` tasks and start an episode for each runnable one; the number of
-        episodes started, or None when the dataflow failed (counted; after
-        ``dataflow_give_up_s`` of failures the runner gives up)."""
+    async def _lease(self, free: int, raise_errors: bool = False,
+                     wait_s: float = 0.0) -> int | None:
+        """Lease up to ``free`` tasks (``wait_s`` > 0: a long poll, see the module docstring)
+        and start an episode for each runnable one; the number of episodes started, or None
+        when the dataflow failed (counted; after ``dataflow_give_up_s`` of failures the runner
+        gives up)."""
         svc = self.service
         client = svc.client
         seen = svc._registrations
+        lease = functools.partial(client.lease, wait_s=wait_s) if wait_s > 0 else client.lease
         try:
-            tasks = await self._call(client.lease, svc.instance_id, free)
+            tasks = await self._call(lease, svc.instance_id, free)
         except Exception as exc:
             if _status(exc) in (404, 410):  # the dataflow forgot us (restarted, expired): rejoin
                 log.warning("lease refused (%s); registering again", exc)

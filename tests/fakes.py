@@ -13,6 +13,9 @@ and the autoscaler (:class:`ObserverAPI`, :class:`EvalAPI`). Two kinds of things
   asked: each is registered with :func:`dataflow_fake`, naming the parts of the contract it
   implements whole.
 
+:func:`app_client` is the real client itself, talking to the real app in process (a
+``TestClient``, :class:`AppTransport`): for the routes' own behaviour without a socket.
+
 ``tests/unit/test_dataflow_api.py`` fails when the client, the adapter or a fake drifts from the
 protocol (method names and parameters). A test that needs one odd answer subclasses a fake in
 its own module; fakes of other things (engines, loggers, backends) are in ``tests/unit/*_fakes.py``.
@@ -32,7 +35,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from astralight.dataflow.client import DataflowError
+from astralight.dataflow.client import DataflowClient, DataflowError
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
@@ -83,7 +86,7 @@ class MembershipAPI(Protocol):
 
     def deregister(self, instance_id: str) -> dict: ...
 
-    def lease(self, instance_id: str, max_tasks: int) -> list[Task]: ...
+    def lease(self, instance_id: str, max_tasks: int, wait_s: float = 0.0) -> list[Task]: ...
 
     def push(self, instance_id: str, task_id: str, samples: list) -> dict: ...
 
@@ -294,7 +297,8 @@ class InProcessDataflow:
         with as_on_the_wire():
             return _msgpack(self.flow.deregister(instance_id))
 
-    def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
+    def lease(self, instance_id: str, max_tasks: int, wait_s: float = 0.0) -> list[Task]:
+        """Answers at once (no long poll: the runner naps the rest of ``wait_s``)."""
         with as_on_the_wire():
             return _msgpack(self.flow.lease(instance_id, max_tasks))
 
@@ -400,6 +404,34 @@ class InProcessDataflow:
     def publish(self, manifest: WeightManifest) -> dict:
         with as_on_the_wire():
             return _msgpack(self.flow.publish(_msgpack(manifest)))
+
+
+class AppTransport:
+    """A :class:`DataflowClient`'s transport through an in-process app's ``TestClient`` (which
+    takes no per-request timeout), sending ``headers`` (e.g. the client's Authorization) with
+    every request: the real routes and core, without a socket. See :func:`app_client`."""
+
+    def __init__(self, http: Any, headers: dict | None = None):
+        self.http, self.headers = http, dict(headers or {})
+
+    def request(self, method, path, timeout=None, headers=None, **kw):
+        return self.http.request(method, path, headers={**self.headers, **(headers or {})}, **kw)
+
+    def stream(self, method, path, timeout=None, headers=None, **kw):
+        return self.http.stream(method, path, headers={**self.headers, **(headers or {})}, **kw)
+
+    def close(self) -> None:
+        pass
+
+
+def app_client(http: Any, url: str = "http://127.0.0.1", token: str | None = "") -> Any:
+    """A real :class:`DataflowClient` (no retries) whose requests go to the ``TestClient``
+    ``http`` (:class:`AppTransport`), with ``token``'s Authorization."""
+    client = DataflowClient(url, token=token, retry_s=0)
+    auth = client._http.headers.get("authorization")
+    client._http.close()
+    client._http = AppTransport(http, {"Authorization": auth} if auth else {})
+    return client
 
 
 # ----------------------------------------------------------------------------- trainers
@@ -646,6 +678,7 @@ class FakeDataflow(FakeStore):
         self.push_log = []  # every task id pushed, in order
         self.on_push = None  # called after every push, accepted or not (tests hook stops here)
         self.register_metas = []  # the meta of every registration
+        self.lease_waits = []  # the wait_s of every lease
         self.workflow = None
 
     def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0,
@@ -667,7 +700,8 @@ class FakeDataflow(FakeStore):
         return {"instance_id": instance_id, "lease_seconds": 30.0,
                 "drain": self.drain_requested}
 
-    def lease(self, instance_id, max_tasks):
+    def lease(self, instance_id, max_tasks, wait_s=0.0):
+        self.lease_waits.append(wait_s)  # answered at once: the runner naps the rest
         if self.forget_instance:
             self.forget_instance = False
             raise NotFound("unknown instance", "instance_id")
@@ -706,9 +740,9 @@ class BatchingDataflow(FakeDataflow):
         self.lock = threading.Lock()
         self.batches = []
 
-    def lease(self, instance_id, max_tasks):
+    def lease(self, instance_id, max_tasks, wait_s=0.0):
         with self.lock:
-            return super().lease(instance_id, max_tasks)
+            return super().lease(instance_id, max_tasks, wait_s)
 
     def push_many(self, instance_id, items):
         with self.lock:

@@ -130,8 +130,8 @@ def create_app(config: DataflowConfig, token: str | None = None,
     add_error_handlers(app)
     access = BodyAccess(core, config, instance_secrets)
     add_observation_routes(app, core, config, access, tracker)
-    add_pool_routes(app, core, config, access)
+    add_pool_routes(app, core, config, access, wake)
     add_task_routes(app, core, config, access, wake)
     add_trainer_routes(app, core, config, access, wake)
-    add_weight_routes(app, core, config, access)
+    add_weight_routes(app, core, config, access, wake)
     return app

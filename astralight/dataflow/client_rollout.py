@@ -64,9 +64,16 @@ class RolloutCalls:
 
     # ------------------------------------------------------------------ tasks
 
-    def lease(self, instance_id: str, max_tasks: int) -> list[Task]:
-        out = self._call("POST", "/v1/lease", {"instance_id": instance_id, "max_tasks": max_tasks},
-                         instance_id=instance_id)
+    def lease(self, instance_id: str, max_tasks: int, wait_s: float = 0.0) -> list[Task]:
+        """Lease up to ``max_tasks``. ``wait_s`` > 0: if none can be granted now, the dataflow
+        holds the request until some can (room opened) or ``wait_s`` passes (a long poll; the
+        dataflow bounds it by its ``max_pull_timeout_s``), so a RaaS starts work as soon as
+        the trainers make room instead of at its next poll."""
+        body: dict = {"instance_id": instance_id, "max_tasks": max_tasks}
+        if wait_s > 0:
+            body["wait_s"] = float(wait_s)
+        out = self._call("POST", "/v1/lease", body, instance_id=instance_id,
+                         timeout=self.timeout + max(0.0, wait_s))
         return [expect(t, Task, "tasks[]") for t in out["tasks"]]
 
     def return_tasks(self, instance_id: str, task_ids: list[str], failed: bool = False) -> dict:

@@ -223,7 +223,8 @@ class DataflowConfig:
             with a huge version (a bug, a hostile client: 2^53-1 would make every later
             publish 409 and every queued sample stale, for good) is refused. Raise it for a
             trainer resumed from a checkpoint far ahead of this state folder.
-        max_pull_timeout_s: upper bound on one long-poll pull.
+        max_pull_timeout_s: upper bound on one long poll (a pull's ``timeout_s``, a lease's
+            ``wait_s``).
         log_level: Python logging level of the service.
         weights_gc: garbage-collect old weight versions. Per model_id the store keeps the latest
             full version and every delta after it (all a newcomer needs), plus, for

@@ -155,13 +155,18 @@ def decode_map(data: bytes, limit: int, allowed: tuple[str, ...] | None = None) 
     return msg
 
 
-def msgpack_post(app: FastAPI, path: str, limit: int, handler: Callable[[bytes], Any]) -> None:
+def msgpack_post(app: FastAPI, path: str, limit: int, handler: Callable[[bytes], Any],
+                 then: Callable[[Any], None] | None = None) -> None:
     """Route ``POST path``: its body (within ``limit`` bytes, :func:`read_body`) goes to
     ``handler`` in the thread pool (it blocks on SQLite commits), whose result is the msgpack
-    answer."""
+    answer. ``then(result)`` runs on the event loop after a handler that succeeded (e.g. a
+    wake-up of long polls: :class:`~astralight.dataflow.http_wakeups.Wakeups`)."""
 
     async def endpoint(request: Request):
-        return msgpack_response(await run_in_threadpool(handler, await read_body(request, limit)))
+        result = await run_in_threadpool(handler, await read_body(request, limit))
+        if then is not None:
+            then(result)
+        return msgpack_response(result)
 
     endpoint.__name__ = endpoint.__qualname__ = handler.__name__.lstrip("_")
     endpoint.__doc__ = handler.__doc__

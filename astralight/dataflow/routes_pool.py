@@ -16,6 +16,7 @@ from astralight.dataflow.http_bodies import (MAX_COUNT, MAX_LIST, check_id, chec
                                              decode_map, field, id_field, int_field,
                                              msgpack_post, msgpack_response, num_field,
                                              only_fields)
+from astralight.dataflow.http_wakeups import Wakeups
 from astralight.protocol import ProtocolError
 
 HEARTBEAT_STATS = ("weight_pause_s", "weight_updates", "requests_spanning_update",
@@ -24,7 +25,7 @@ HEARTBEAT_STATS = ("weight_pause_s", "weight_updates", "requests_spanning_update
 
 
 def add_pool_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
-                    access: BodyAccess) -> None:
+                    access: BodyAccess, wake: Wakeups) -> None:
     limit = config.max_body_bytes
     secrets = access.secrets
 
@@ -90,4 +91,4 @@ def add_pool_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
         access.own_instance(instance_id)
         return core.deregister(instance_id)
 
-    msgpack_post(app, "/v1/deregister", limit, deregister)
+    msgpack_post(app, "/v1/deregister", limit, deregister, then=wake.notify_room)  # tasks freed

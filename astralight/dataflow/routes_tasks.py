@@ -1,4 +1,5 @@
-"""Routes of a RaaS's tasks: lease, return, push and push_many (the samples of a leased task).
+"""Routes of a RaaS's tasks: lease (a long poll with ``wait_s``), return, push and push_many (the
+samples of a leased task).
 
 An instance acts only with its secret and pushes only the tasks it holds
 (:class:`~astralight.dataflow.http_access.BodyAccess`); every answer leaves once its commits are
@@ -28,9 +29,9 @@ from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.http_access import BodyAccess, foreign_task_error
-from astralight.dataflow.http_bodies import (MAX_LIST, check_id, decode_map, field, id_field,
-                                             msgpack_post, msgpack_response, only_fields,
-                                             read_body)
+from astralight.dataflow.http_bodies import (MAX_LIST, MAX_SECONDS, check_id, decode_map, field,
+                                             id_field, msgpack_post, msgpack_response, num_field,
+                                             only_fields, read_body)
 from astralight.dataflow.http_stats import note_request
 from astralight.dataflow.http_wakeups import Wakeups
 from astralight.protocol import ProtocolError, Sample, expect
@@ -87,13 +88,21 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
                     wake: Wakeups) -> None:
     limit = config.max_body_bytes
 
-    def lease(data: bytes) -> dict:
-        msg = decode_map(data, limit, ("instance_id", "max_tasks"))
+    @app.post("/v1/lease")
+    async def lease(request: Request):
+        """Lease up to ``max_tasks``. With ``wait_s`` > 0 (at most ``max_pull_timeout_s``) an
+        empty lease is a long poll: it is tried again whenever room may have opened (a pull
+        served, a push accepted, tasks returned, ...: :meth:`Wakeups.notify_room`) and at least
+        every second, and answers ``{"tasks": []}`` only once ``wait_s`` has passed (or the
+        service stops, or the caller went away)."""
+        msg = await run_in_threadpool(decode_map, await read_body(request, limit), limit,
+                                      ("instance_id", "max_tasks", "wait_s"))
         instance_id, max_tasks = id_field(msg, "instance_id"), field(msg, "max_tasks", int)
+        wait_s = min(num_field(msg, "wait_s", 0.0, MAX_SECONDS, 0.0), config.max_pull_timeout_s)
         access.own_instance(instance_id)
-        return {"tasks": core.lease(instance_id, max_tasks)}
-
-    msgpack_post(app, "/v1/lease", limit, lease)
+        tasks = await wake.long_poll(request, wake.room, lambda: core.lease(instance_id, max_tasks),
+                                     lambda got: bool(got) or max_tasks == 0, wait_s)
+        return msgpack_response({"tasks": tasks})
 
     def return_tasks(data: bytes) -> dict:
         msg = decode_map(data, limit, ("instance_id", "task_ids", "failed"))
@@ -109,7 +118,7 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
         access.own_instance(instance_id)
         return core.return_tasks(instance_id, task_ids, failed)
 
-    msgpack_post(app, "/v1/return", limit, return_tasks)
+    msgpack_post(app, "/v1/return", limit, return_tasks, then=wake.notify_room)
 
     def _push(data: bytes) -> dict:
         msg = decode_map(data, limit, ("instance_id", "task_id", "samples"))
@@ -125,6 +134,7 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
         result = await run_in_threadpool(_push, await read_body(request, limit))
         if result["accepted"]:
             wake.notify(core.model_ids)
+        wake.notify_room()  # the task is closed (even a duplicate or all filtered)
         return msgpack_response(result)
 
     def _push_many(data: bytes) -> list[dict]:
@@ -166,6 +176,7 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
         results = await run_in_threadpool(_push_many, await read_body(request, limit))
         if any(r["status"] == 200 and r["reply"]["accepted"] for r in results):
             wake.notify(core.model_ids)
+        wake.notify_room()
         if all(r["status"] != 200 for r in results):
             return push_many_refused(results)
         return msgpack_response({"results": results})

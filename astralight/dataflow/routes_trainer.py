@@ -4,8 +4,6 @@ on that model_id's batches only (:class:`~astralight.dataflow.http_access.BodyAc
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -36,20 +34,11 @@ def add_trainer_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, acc
         trainer_id = id_field(msg, "trainer_id", None)
         access.own_model(model_id)
         core.check_pull(model_id, size)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            event = wake.event(model_id)  # taken before trying, so no wake-up is missed
-            batch = await run_in_threadpool(core.pull, model_id, size, trainer_id)
-            remaining = deadline - loop.time()
-            if batch is not None or remaining <= 0 or wake.stopping:
-                break
-            if await request.is_disconnected():
-                break
-            try:
-                await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
+        batch = await wake.long_poll(request, lambda: wake.event(model_id),
+                                     lambda: core.pull(model_id, size, trainer_id),
+                                     lambda got: got is not None, timeout_s)
+        if batch is not None:
+            wake.notify_room()  # the queue shrank: leases may grant tasks again
         # the ack timeout travels as a header (a client that does not read it is unaffected):
         # the trainer extends every batch it holds well within it (POST /v1/batches/extend)
         return Response(await run_in_threadpool(encode, batch), media_type=MSGPACK,
@@ -66,7 +55,7 @@ def add_trainer_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, acc
         access.own_batch(batch_id)
         return core.ack(batch_id, **timings, step=step)
 
-    msgpack_post(app, "/v1/ack", limit, ack)
+    msgpack_post(app, "/v1/ack", limit, ack, then=wake.notify_room)  # consumption moves demand
 
     def trainer_resumed(data: bytes) -> dict:
         """A trainer restarted from a checkpoint at ``step``: its acks after it are rolled back."""

@@ -17,11 +17,12 @@ from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.http_access import BodyAccess
 from astralight.dataflow.http_bodies import check_version, msgpack_post, msgpack_response
 from astralight.dataflow.weightfiles import fs_error
+from astralight.dataflow.http_wakeups import Wakeups
 from astralight.protocol import WeightManifest, decode, expect
 
 
 def add_weight_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
-                      access: BodyAccess) -> None:
+                      access: BodyAccess, wake: Wakeups) -> None:
     limit = config.max_body_bytes
 
     @app.get("/v1/version/{model_id}")
@@ -76,7 +77,8 @@ def add_weight_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
         access.own_model(manifest.model_id)
         return core.publish(manifest)
 
-    msgpack_post(app, "/v1/publish", limit, publish)
+    # a new version schedules its eval tasks and drops stale samples: room for leases
+    msgpack_post(app, "/v1/publish", limit, publish, then=wake.notify_room)
 
     @app.get("/v1/manifest/{model_id}/latest")
     async def latest_manifest(model_id: str):

@@ -331,3 +331,26 @@ def test_bearer_token_guards_every_route(tmp_path, dataflow_service, client_for)
     with pytest.raises(DataflowError) as info:
         client_for(url, token="nope").stats()
     assert info.value.status == 401
+
+
+def test_a_long_poll_lease_waits_for_room_and_gets_it_when_the_trainer_pulls(
+        tmp_path, dataflow_service, client_for):
+    """The buffer is full (one task's group of 2 fills max_buffered_samples=2): a plain lease
+    answers [], a lease with wait_s stays open and is granted a task once a pull makes room."""
+    url, _, _ = dataflow_service(tmp_path, group_size=2, max_buffered_samples=2)
+    c = client_for(url)
+    iid = c.register(["policy"], capacity=4)["instance_id"]
+    [task] = c.lease(iid, 4)
+    assert c.push(iid, task.task_id, make_samples(task, [1.0, 0.0]))["accepted"] == 2
+    assert c.lease(iid, 4) == []  # no room, answered at once
+    waiter = client_for(url)
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(waiter.lease(iid, 4, wait_s=120.0)),
+                              daemon=True)
+    thread.start()
+    time.sleep(0.5)  # (lets the lease reach the service first; not needed for correctness)
+    assert thread.is_alive()  # no room yet: it waits instead of answering []
+    assert c.pull_batch("policy", 2, timeout_s=1) is not None
+    thread.join(60)
+    assert not thread.is_alive() and len(out[0]) == 1
+    assert out[0][0].task_id != task.task_id and out[0][0].kind == "train"

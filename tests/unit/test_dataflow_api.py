@@ -23,7 +23,7 @@ from astralight.dataflow.app import create_app
 from astralight.dataflow.client import DataflowClient
 from astralight.dataflow.config import DataflowConfig
 from astralight.protocol import Batch, WeightManifest
-from tests.fakes import (FAKES, PARTS, DataflowAPI, InProcessDataflow, TrainerAPI,
+from tests.fakes import (FAKES, PARTS, DataflowAPI, InProcessDataflow, TrainerAPI, app_client,
                          contract_methods)
 from tests.unit.batch_ack_flow import GROUP, samples
 
@@ -186,8 +186,7 @@ def test_the_adapter_answers_what_the_client_answers(tmp_path):
 
     app = create_app(config("http"), token="")
     with TestClient(app, base_url="http://127.0.0.1") as http:  # no token: a loopback Host
-        client = DataflowClient("http://127.0.0.1", token="", retry_s=0)
-        client._http = http  # the real client, its requests answered by the real app
+        client = app_client(http)  # the real client, its requests answered by the real app
         (tmp_path / "client").mkdir()
         over_http = session(client, tmp_path / "client")
     adapter = InProcessDataflow.in_folder(tmp_path / "adapter", group_size=GROUP,

@@ -28,6 +28,7 @@ from astralight.dataflow.durability import DurableLock, GroupSync
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.store import Store
 from astralight.protocol import Sample, decode, encode
+from tests.fakes import app_client
 
 GROUP = 2
 
@@ -42,28 +43,13 @@ def group(task_id: str, rewards=(1.0, 0.0), model_id: str = "policy") -> list[Sa
                    reward=float(r), prompt_len=3) for i, r in enumerate(rewards)]
 
 
-class _AppHTTP:
-    """The TestClient as the client's transport (it takes no per-request timeout)."""
-
-    def __init__(self, http: TestClient):
-        self.http = http
-
-    def request(self, method, path, timeout=None, **kw):
-        return self.http.request(method, path, **kw)
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def service(tmp_path):
     """``(client, core, iid, tasks)``: the app with a registered instance holding 8 leases."""
     app = create_app(DataflowConfig(state_dir=str(tmp_path / "state"), group_size=GROUP,
                                     max_body_bytes=64 * 1024, lease_seconds=3600), token="")
     with TestClient(app, base_url="http://127.0.0.1") as http:  # no token: a loopback Host
-        client = DataflowClient("http://127.0.0.1", retry_s=0)
-        client._http.close()
-        client._http = _AppHTTP(http)
+        client = app_client(http)
         iid = client.register(["policy"], capacity=8)["instance_id"]
         tasks = client.lease(iid, 8)
         assert len(tasks) == 8

@@ -28,9 +28,10 @@ from tests.unit.engine_fakes import ScriptedEngine
 
 def _service(flow, engine, **overrides):
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.8, max_tokens=4))
+    settings = {"max_concurrency": 2, "poll_interval_s": 0.0, "progress_interval_s": 1e9,
+                "weight_check_interval_s": 3600.0, **overrides}
     cfg = RaaSConfig(dataflow="mem://", engines={"policy": {"model_path": "unused"}}, workflow=wf,
-                     model_ids=["policy"], max_concurrency=2, poll_interval_s=0.0,
-                     progress_interval_s=1e9, weight_check_interval_s=3600.0, **overrides)
+                     model_ids=["policy"], **settings)
     out = io.StringIO()
     svc = RaaSService(cfg, client_factory=lambda: flow, engines={"policy": engine}, out=out)
     return svc, out
@@ -56,6 +57,30 @@ def test_cycles_lease_run_and_push_every_task():
     assert (c.tasks_done, c.samples_pushed, c.tokens_generated) == (3, 9, 27)  # "82" + EOS
     last = out.getvalue().strip().splitlines()[-1]
     assert "tasks 3 | samples 9 (dup 0)" in last and "policy=v7" in last
+
+
+def test_an_empty_lease_is_a_long_poll_of_poll_interval_s_and_the_rest_is_napped():
+    """serve() asks the dataflow to hold an empty lease for up to poll_interval_s (it answers
+    when room opens); a lease answered at once (this fake) is followed by a nap of the rest, so
+    the loop still polls every poll_interval_s, not in a busy loop."""
+    flow = FakeDataflow([_task(0)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]), max_cycles=3,
+                      poll_interval_s=0.05)
+    naps, nap = [], svc.runner._nap
+
+    async def recorded_nap(seconds):
+        naps.append(seconds)
+        await nap(seconds)
+
+    svc.runner._nap = recorded_nap
+    svc.start()
+    try:
+        assert svc.serve() == 0
+    finally:
+        svc.close()
+    assert flow.lease_waits == [0.05] * 3 and list(flow.pushed) == ["t0"]
+    # the two empty leases after t0 (the third ends the loop: max_cycles) were napped after
+    assert len(naps) == 1 and 0 < naps[0] <= 0.05
 
 
 def test_an_eval_task_ahead_of_the_engine_loads_its_version_first():
@@ -289,8 +314,8 @@ def test_unsupported_tasks_start_no_episode_and_a_failed_rejoin_is_a_dataflow_er
 
 def test_a_task_reissued_while_its_episode_runs_is_not_started_twice():
     class Reissue(FakeDataflow):
-        def lease(self, instance_id, max_tasks):
-            out = super().lease(instance_id, max_tasks)
+        def lease(self, instance_id, max_tasks, wait_s=0.0):
+            out = super().lease(instance_id, max_tasks, wait_s)
             if self.leased == ["t0"]:
                 self.tasks.append(_task(0))  # the dataflow hands t0 out again (lease expired)
             return out
@@ -523,8 +548,8 @@ def test_the_heartbeat_reports_the_engines_weight_pauses():
 
 def test_tasks_leased_while_a_drain_begins_are_returned_unstarted():
     class DrainDuringLease(FakeDataflow):
-        def lease(self, instance_id, max_tasks):
-            out = super().lease(instance_id, max_tasks)
+        def lease(self, instance_id, max_tasks, wait_s=0.0):
+            out = super().lease(instance_id, max_tasks, wait_s)
             svc.request_stop()  # SIGTERM lands while the lease is on the wire
             return out
 

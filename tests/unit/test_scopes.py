@@ -19,6 +19,7 @@ from astralight.dataflow.auth import Credentials, handoff_env, trainer_token
 from astralight.dataflow.client import DataflowClient
 from astralight.dataflow.config import DataflowConfig
 from astralight.protocol import Sample, WeightManifest, decode, encode
+from tests.fakes import app_client
 
 R_TOKEN = "rollout-token-0123456789abcdef"
 T_TOKEN = "trainer-token-0123456789abcdef"
@@ -340,25 +341,8 @@ def test_single_token_mode_grants_every_scope_without_instance_secrets(tmp_path)
 # ----------------------------------------------------------------------------- the client
 
 
-class _AppHTTP:
-    """DataflowClient's transport through the in-process app (keeps its Authorization)."""
-
-    def __init__(self, http: TestClient, headers: dict):
-        self.http, self.headers = http, headers
-
-    def request(self, method, path, timeout=None, headers=None, **kw):
-        return self.http.request(method, path, headers={**self.headers, **(headers or {})}, **kw)
-
-    def close(self) -> None:
-        pass
-
-
 def _client(http: TestClient, token: str) -> DataflowClient:
-    c = DataflowClient(URL, token=token, retry_s=0)
-    auth_header = c._http.headers.get("authorization")
-    c._http.close()
-    c._http = _AppHTTP(http, {"Authorization": auth_header} if auth_header else {})
-    return c
+    return app_client(http, URL, token)
 
 
 def _scoped_raas(client_factory, instance_id: str, out: io.StringIO | None = None):
