@@ -20,7 +20,7 @@ YAML keys (defaults in brackets)::
     max_concurrency: 64           # episodes (leased tasks) in flight at once; the capacity
                                   # registered. Each is its own asyncio task; a freed slot is
                                   # leased again at once
-    poll_interval_s: 0.5          # sleep when a lease comes back empty
+    poll_interval_s: 0.5          # an empty lease waits up to this long for room (long poll)
     seed: 0                       # engines without their own seed get seed + index
     weight_check_interval_s: 2.0, background_weight_sync: true,
     progress_interval_s: 10.0, heartbeat_interval_s: null (= lease_seconds / 3),
@@ -41,7 +41,9 @@ YAML keys (defaults in brackets)::
     finished its episodes after this long becomes a hard stop: in-flight tasks are returned)
 
 Engine options that shape concurrency live in each engine's entry (``VLLMEngine``):
-``inflight_updates: keep | abort`` (what a weight update does to requests in flight).
+``inflight_updates: keep | abort`` (what a weight update does to requests in flight) and
+``torch_compile`` (vLLM's compiled sampler helper; default off on CPU, where tracing it cost
+every start seconds).
 
 Stopping: the first SIGTERM / SIGINT (or a drain asked by the dataflow through the heartbeat)
 drains: no more leasing, the episodes in flight finish and push, the instance deregisters and

@@ -92,6 +92,19 @@ def test_behaviour_logprobs_agree_with_transformers(engine, tiny_model_dir):
     assert other_diffs.max() > 10 * LOGPROB_ATOL
 
 
+def test_on_cpu_vllm_compiles_nothing_by_default(engine):
+    """torch_compile=None on CPU with enforce_eager: vLLM's compiled sampler helper runs eagerly
+    (its Dynamo trace cost seconds per start, its inductor build a minute on a fresh machine);
+    the log-probs above were computed so."""
+    import torch._dynamo
+
+    assert engine._driver.call(lambda: torch._dynamo.config.disable) is True
+    assert torch._dynamo.utils.counters["frames"]["total"] == 0  # no frame was ever traced
+    comps = engine.generate_batch([[3, 4, 5]] * 3, SamplingSpec(temperature=1.0, max_tokens=3))
+    assert all(len(c.token_ids) == len(c.logprobs) >= 1 for c in comps)
+    assert torch._dynamo.utils.counters["frames"]["total"] == 0
+
+
 def test_temperature_is_in_the_behaviour_logprobs(engine, tiny_model_dir):
     seqs, plens, comps = _generate(engine, PROMPTS[:4], SamplingSpec(temperature=0.5, max_tokens=4))
     ref = _reference_logprobs(tiny_model_dir, None, seqs, plens, 0.5)
