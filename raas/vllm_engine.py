@@ -185,9 +185,11 @@ class VLLMEngine(EngineBase):
             sampler's count of log-prob ranks, every step). None: off on CPU with
             ``enforce_eager``, on elsewhere. On CPU that compile cost every engine start ~3 s of
             Dynamo tracing (2.4-3.0 s of a 2-token warm-up, against 0.03 s without), and on a
-            fresh machine about a minute of inductor compilation, for a kernel that runs as fast
-            eagerly at these batch sizes. Off sets ``torch._dynamo.config.disable`` on the step
-            driver's thread, where every vLLM call runs (torch keeps that setting per thread).
+            fresh machine about a minute of inductor compilation, and the RaaS benchmark (a
+            96-token vocabulary) was no slower eagerly. Off sets ``torch._dynamo.config.disable``
+            on the step driver's thread, where every vLLM call runs (torch keeps that setting per
+            thread); the engines of one RaaS share that thread, so one engine's off is all of
+            theirs.
         engine_kwargs: anything else for ``vllm.LLM`` (tensor_parallel_size, tokenizer, ...).
 
     Behaviour log-probs are vLLM's ``processed_logprobs``: log-probs of the distribution actually

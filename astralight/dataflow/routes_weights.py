@@ -16,8 +16,8 @@ from astralight.dataflow.core import Dataflow
 from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.http_access import BodyAccess
 from astralight.dataflow.http_bodies import check_version, msgpack_post, msgpack_response
-from astralight.dataflow.weightfiles import fs_error
 from astralight.dataflow.http_wakeups import Wakeups
+from astralight.dataflow.weightfiles import fs_error
 from astralight.protocol import WeightManifest, decode, expect
 
 
