@@ -79,7 +79,7 @@ def test_an_empty_lease_is_a_long_poll_of_poll_interval_s_and_the_rest_is_napped
     finally:
         svc.close()
     assert flow.lease_waits == [0.05] * 3 and list(flow.pushed) == ["t0"]
-    # the two empty leases after t0 (the third ends the loop: max_cycles) were napped after
+    # the second lease (empty) was followed by a nap of the rest; the third ended the loop
     assert len(naps) == 1 and 0 < naps[0] <= 0.05
 
 
