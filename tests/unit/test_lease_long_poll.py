@@ -12,28 +12,15 @@ from __future__ import annotations
 import hashlib
 import threading
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from astralight.dataflow.app import create_app
 from astralight.dataflow.client import DataflowError
 from astralight.dataflow.config import DataflowConfig
-from astralight.protocol import Sample, WeightManifest
+from astralight.protocol import WeightManifest
 from tests.fakes import app_client
-
-GROUP = 2
-
-
-def group(task_id: str) -> list[Sample]:
-    """A valid group for ``task_id``: 3 prompt tokens, 3 generated at version 0, rewards 1 and 0
-    (an informative group, kept by every filter)."""
-    return [Sample(task_id=task_id, sample_index=i, model_id="policy",
-                   token_ids=np.arange(10 * i, 10 * i + 6, dtype=np.int32),
-                   logprobs=np.array([0, 0, 0, -0.5, -0.25, -0.125], np.float32),
-                   loss_mask=np.array([0, 0, 0, 1, 1, 1], np.uint8),
-                   versions=np.array([-1, -1, -1, 0, 0, 0], np.int32),
-                   reward=float(r), prompt_len=3) for i, r in enumerate((1.0, 0.0))]
+from tests.unit.batch_ack_flow import GROUP, samples
 
 
 @pytest.fixture
@@ -46,17 +33,9 @@ def full(tmp_path):
         client = app_client(http)
         iid = client.register(["policy"], capacity=8)["instance_id"]
         [task] = client.lease(iid, 8)
-        assert client.push(iid, task.task_id, group(task.task_id))["accepted"] == GROUP
+        assert client.push(iid, task.task_id, samples(task))["accepted"] == GROUP
         assert client.lease(iid, 8) == []  # no room: the queue holds max_buffered_samples
         yield client, app, iid
-
-
-def _lease_in_thread(client, iid: str, wait_s: float) -> tuple[threading.Thread, list]:
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(client.lease(iid, 8, wait_s=wait_s)),
-                              daemon=True)
-    thread.start()
-    return thread, out
 
 
 def _waiting_lease(app, client, iid: str) -> tuple[threading.Thread, list]:
@@ -73,7 +52,10 @@ def _waiting_lease(app, client, iid: str) -> tuple[threading.Thread, list]:
         return tasks
 
     core.lease = lease
-    thread, out = _lease_in_thread(client, iid, wait_s=60.0)
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(client.lease(iid, 8, wait_s=60.0)),
+                              daemon=True)
+    thread.start()
     assert tried.wait(30), "the long-poll lease never reached the core"
     core.lease = real
     return thread, out
@@ -108,7 +90,7 @@ def test_every_route_that_can_make_room_wakes_waiting_leases(full, route):
     if route == "pull":
         client.pull_batch("policy", GROUP, timeout_s=0)
     elif route == "push":
-        client.push(iid, task.task_id, group(task.task_id))
+        client.push(iid, task.task_id, samples(task))
     elif route == "return":
         assert client.return_tasks(iid, [task.task_id]) == {"returned": 1}
     elif route == "ack":
