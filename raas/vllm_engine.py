@@ -147,6 +147,28 @@ def _no_torch_compile() -> None:
     torch._dynamo.config.disable = True
 
 
+def _inspect_models_in_process() -> None:
+    """Where there is no CUDA, vLLM's model registry inspects a model class in this process
+    instead of a fresh Python subprocess.
+
+    vLLM inspects an architecture it has no cached ``modelinfos`` entry for (a fresh machine, or
+    a new vLLM) in a child interpreter, only so that importing the model cannot initialize CUDA
+    in the parent. The child imports torch and vLLM again: 18 s on this 2-core machine, most of a
+    fresh machine's first RaaS start (36 s against 18 s once cached). Without CUDA there is
+    nothing to initialize, so the inspection runs here; vLLM still writes its cache. A vLLM
+    without this private hook is left as it is.
+    """
+    from vllm.model_executor.models import registry
+
+    if getattr(registry, "_run_in_subprocess", None) is not None:
+        registry._run_in_subprocess = _call_here
+
+
+def _call_here(fn):
+    """``fn()``: what vLLM's ``_run_in_subprocess(fn)`` returns, computed in this process."""
+    return fn()
+
+
 class VLLMEngine(EngineBase):
     """One policy served by vLLM; implements :class:`astralight.engine.Engine`.
 
@@ -251,6 +273,8 @@ class VLLMEngine(EngineBase):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not torch_compile:
             self._driver.call(_no_torch_compile)
+        if not torch.cuda.is_available():
+            _inspect_models_in_process()
         self.llm = self._driver.call(lambda: LLM(**kwargs))
         self.start_s = time.perf_counter() - start
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__

@@ -105,6 +105,25 @@ def test_on_cpu_vllm_compiles_nothing_by_default(engine):
     assert torch._dynamo.utils.counters["frames"]["total"] == 0
 
 
+def test_on_cpu_an_uncached_model_class_is_inspected_without_a_subprocess(engine, tmp_path,
+                                                                         monkeypatch):
+    """An architecture vLLM has no ``modelinfos`` entry for (a fresh machine) is inspected in this
+    process: the child interpreter vLLM starts for it cost a fresh RaaS 18 s. The cache is still
+    written."""
+    from vllm.model_executor.models import registry
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"vLLM's registry started a subprocess: {args[:1]}")
+
+    monkeypatch.setattr(registry.subprocess, "run", no_subprocess)
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir",
+                        staticmethod(lambda: tmp_path / "modelinfos"))
+    model = registry._LazyRegisteredModel("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM")
+    info = model.inspect_model_cls()
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert (tmp_path / "modelinfos" / model._get_cache_filename()).is_file()
+
+
 def test_temperature_is_in_the_behaviour_logprobs(engine, tiny_model_dir):
     seqs, plens, comps = _generate(engine, PROMPTS[:4], SamplingSpec(temperature=0.5, max_tokens=4))
     ref = _reference_logprobs(tiny_model_dir, None, seqs, plens, 0.5)
