@@ -25,6 +25,7 @@ from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 from astralight.raas import vllm_driver
 from astralight.raas.cpu_features import request_amx
 from astralight.raas.engine import EngineBase
+from astralight.raas.vllm_startup import inspect_models_in_process, no_torch_compile
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
 
 log = logging.getLogger(__name__)
@@ -139,36 +140,6 @@ def _token_versions(spans: Any, n: int, default: int) -> list[int]:
     return out
 
 
-def _no_torch_compile() -> None:
-    """On the calling thread, ``torch.compile``'d functions run eagerly (Dynamo's ``disable``
-    is checked per call, and a thread sees its own setting)."""
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
-
-
-def _inspect_models_in_process() -> None:
-    """Where there is no CUDA, vLLM's model registry inspects a model class in this process
-    instead of a fresh Python subprocess.
-
-    vLLM inspects an architecture it has no cached ``modelinfos`` entry for (a fresh machine, or
-    a new vLLM) in a child interpreter, only so that importing the model cannot initialize CUDA
-    in the parent. The child imports torch and vLLM again: 18 s on this 2-core machine, most of a
-    fresh machine's first RaaS start (36 s against 18 s once cached). Without CUDA there is
-    nothing to initialize, so the inspection runs here; vLLM still writes its cache. A vLLM
-    without this private hook is left as it is.
-    """
-    from vllm.model_executor.models import registry
-
-    if getattr(registry, "_run_in_subprocess", None) is not None:
-        registry._run_in_subprocess = _call_here
-
-
-def _call_here(fn):
-    """``fn()``: what vLLM's ``_run_in_subprocess(fn)`` returns, computed in this process."""
-    return fn()
-
-
 class VLLMEngine(EngineBase):
     """One policy served by vLLM; implements :class:`astralight.engine.Engine`.
 
@@ -272,9 +243,9 @@ class VLLMEngine(EngineBase):
         # steps on its own and queues outputs, so queued old-weight tokens would be stamped new.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not torch_compile:
-            self._driver.call(_no_torch_compile)
+            self._driver.call(no_torch_compile)
         if not torch.cuda.is_available():
-            _inspect_models_in_process()
+            inspect_models_in_process()
         self.llm = self._driver.call(lambda: LLM(**kwargs))
         self.start_s = time.perf_counter() - start
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
