@@ -7,7 +7,7 @@ YAML keys (defaults in brackets)::
     engines:                      # one engine per policy this RaaS serves
       policy:                     # model_id -> VLLMEngine arguments ...
         model_path: ./model
-        dtype: bfloat16
+        dtype: auto               # [auto] bf16 on CUDA and on CPUs that multiply it natively, else float32
         max_model_len: 128
         kv_cache_memory_bytes: 268435456
       # ... or another engine class: {class_path: astralight.raas.hf_engine.HFEngine, init_args: {...}}

@@ -23,7 +23,7 @@ from typing import Any
 
 from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 from astralight.raas import vllm_driver
-from astralight.raas.cpu_features import request_amx
+from astralight.raas.cpu_features import engine_dtype, request_amx
 from astralight.raas.engine import EngineBase
 from astralight.raas.vllm_startup import inspect_models_in_process, no_torch_compile
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
@@ -152,6 +152,9 @@ class VLLMEngine(EngineBase):
         model_path: a Hugging Face model folder (the same initial folder the trainer starts from;
             its weights are policy version ``version``).
         dtype: compute dtype of the engine; weights sent to :meth:`update_weights` are cast to it.
+            ``"auto"`` (default): bf16 on CUDA and on CPUs that multiply bf16 natively, float32
+            on other CPUs, where bf16 is emulated and ~13x slower
+            (:func:`~astralight.raas.cpu_features.engine_dtype`).
         max_model_len: context length (prompt + completion); None takes the model's.
         seed: seeds vLLM's sampler, so a run is reproducible given the same requests.
         gpu_memory_utilization: share of GPU memory vLLM may use (GPU only).
@@ -189,7 +192,7 @@ class VLLMEngine(EngineBase):
     sampled from (temperature and top-p applied), which is what an off-policy correction needs.
     """
 
-    def __init__(self, model_path: str, dtype: str = "bfloat16", max_model_len: int | None = None,
+    def __init__(self, model_path: str, dtype: str = "auto", max_model_len: int | None = None,
                  seed: int = 0, gpu_memory_utilization: float | None = None,
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None,
                  warmup: bool = True, version: int = 0, enable_lora: bool = False,
@@ -204,6 +207,7 @@ class VLLMEngine(EngineBase):
                              f"{inflight_updates!r}")
 
         request_amx()  # before any vLLM kernel runs in this process (see cpu_features)
+        dtype = engine_dtype(dtype, torch.cuda.is_available())
 
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
@@ -287,8 +291,8 @@ class VLLMEngine(EngineBase):
             start = time.perf_counter()
             self.generate_batch([[self._warmup_token()] * 4], SamplingSpec(max_tokens=2))
             self.warmup_s = time.perf_counter() - start
-        log.info("vLLM engine for %s up in %.2f s (warm-up %.2f s)", model_path, self.start_s,
-                 self.warmup_s)
+        log.info("vLLM engine for %s up in %.2f s (warm-up %.2f s, %s)", model_path, self.start_s,
+                 self.warmup_s, dtype)
 
     def _warmup_token(self) -> int:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -92,6 +92,40 @@ def test_behaviour_logprobs_agree_with_transformers(engine, tiny_model_dir):
     assert other_diffs.max() > 10 * LOGPROB_ATOL
 
 
+@pytest.fixture(scope="module")
+def float32_engine(engine, tiny_model_dir):
+    """A second engine, in float32, closed with the module's engine: closing one vLLM engine
+    tears down the process's parallel groups, which the other still uses."""
+    from astralight.raas.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(str(tiny_model_dir), dtype="float32", max_model_len=128, seed=0,
+                     kv_cache_memory_bytes=64 << 20, enforce_eager=True, warmup=False)
+    yield eng
+    eng.close()
+
+
+def test_a_float32_engine_holds_published_bf16_weights_exactly(float32_engine, tiny_model_dir):
+    """``dtype: auto`` gives float32 on a CPU without native bf16 (raas/cpu_features.py). Sent
+    a version as bf16 tensors (what the weight interface publishes), the engine casts them up
+    exactly, and with float32 activations its behaviour log-probs match the float32 reference
+    on those weights to rounding: far inside the bf16 engine's bound (measured 4e-3 there)."""
+    import torch
+    from safetensors.torch import load_file
+
+    eng = float32_engine
+    assert eng.dtype == "float32"
+    assert eng.llm.llm_engine.model_config.dtype == torch.float32
+    spec = SamplingSpec(temperature=1.0, max_tokens=8)
+    original = load_file(str(tiny_model_dir / "model.safetensors"))
+    for version, state in ((1, _state_dict(seed=1, sharpen=4.0)), (2, original)):
+        eng.update_weights({k: v.to(torch.bfloat16) for k, v in state.items()}, version)
+        seqs, plens, comps = _generate(eng, PROMPTS, spec)
+        ref = _reference_logprobs(tiny_model_dir, state, seqs, plens, 1.0)
+        diffs = np.concatenate([np.abs(np.array(c.logprobs) - r) for c, r in zip(comps, ref)])
+        print(f"\nfloat32 engine, version {version}: logprob |vLLM - HF| max {diffs.max():.2e}")
+        assert eng.version == version and diffs.max() < LOGPROB_ATOL / 30
+
+
 def test_on_cpu_vllm_compiles_nothing_by_default(engine):
     """torch_compile=None on CPU with enforce_eager: vLLM's compiled sampler helper runs eagerly
     (its Dynamo trace cost seconds per start, its inductor build a minute on a fresh machine);
