@@ -30,6 +30,11 @@ WIRE_DTYPES = frozenset(
     {"bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "uint64",
      "float16", "float32", "float64"}
 )
+#: the wire name of each allowed dtype, keyed by the dtype itself: ``ndarray.dtype.name`` is
+#: computed in Python on every call, twice per array of every sample encoded
+_WIRE_NAME_OF = {np.dtype(name): name for name in WIRE_DTYPES}
+#: the plain msgpack scalars: what a message may hold besides maps and lists
+_PLAIN_SCALARS = (str, bytes, int, float, bool, type(None))
 MAX_ARRAY_ELEMENTS = 1 << 26  # 64M elements: far above any trajectory, far below an OOM
 MAX_ARRAY_DIMS = 8  # numpy refuses more than 64; no message needs more than 2
 MAX_DEPTH = 32  # nesting of maps/lists in a message (deeper input would exhaust the stack)
@@ -53,10 +58,14 @@ MAX_VOCAB_SIZE = 1 << 24
 
 
 def _pack_array(arr: np.ndarray) -> dict:
-    arr = np.ascontiguousarray(arr)
-    if arr.dtype.name not in WIRE_DTYPES:
-        raise ProtocolError("array", f"dtype {arr.dtype} is not allowed on the wire")
-    return {"__nd__": True, "dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}
+    name = _WIRE_NAME_OF.get(arr.dtype)
+    if name is None:
+        if arr.dtype.name not in WIRE_DTYPES:
+            raise ProtocolError("array", f"dtype {arr.dtype} is not allowed on the wire")
+        name = arr.dtype.name  # an allowed dtype in non-native byte order: sent natively
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    # tobytes() is C-ordered whatever the array's layout
+    return {"__nd__": True, "dtype": name, "shape": list(arr.shape), "data": arr.tobytes()}
 
 
 def _unpack_array(obj: Any, name: str) -> np.ndarray:
@@ -65,9 +74,8 @@ def _unpack_array(obj: Any, name: str) -> np.ndarray:
     dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
     if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(f"{name}.dtype", f"{dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_ARRAY_ELEMENTS
-            for s in shape):
+    if type(shape) is not list or not all(  # exact int: bool is refused
+            type(s) is int and 0 <= s <= MAX_ARRAY_ELEMENTS for s in shape):
         raise ProtocolError(f"{name}.shape", "must be a list of non-negative ints "
                                              f"(each <= {MAX_ARRAY_ELEMENTS})")
     if len(shape) > MAX_ARRAY_DIMS:
@@ -82,7 +90,7 @@ def _unpack_array(obj: Any, name: str) -> np.ndarray:
         raise ProtocolError(
             f"{name}.data", f"{len(data)} bytes do not match shape {shape} of {dtype}"
         )
-    return np.frombuffer(bytes(data), dtype=dt).reshape(shape).copy()
+    return np.frombuffer(data, dtype=dt).reshape(shape).copy()
 
 
 def _default(obj: Any) -> Any:
@@ -199,7 +207,7 @@ class Sample:
         return int(self.token_ids.shape[0])
 
     def to_wire(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {name: getattr(self, name) for name in _SAMPLE_FIELDS}
         d["token_ids"] = self.token_ids.astype(np.int32, copy=False)
         d["logprobs"] = self.logprobs.astype(np.float32, copy=False)
         d["loss_mask"] = self.loss_mask.astype(np.uint8, copy=False)
@@ -228,13 +236,15 @@ class Sample:
                 raise ProtocolError(
                     f"{where}.{name}", f"length {arr.shape[0]} != token_ids length {length}"
                 )
-        if not np.all(np.isfinite(arrays["logprobs"])) or np.any(arrays["logprobs"] > 1e-3):
+        # min/max of the (non-empty) arrays: a NaN fails both comparisons
+        logprobs = arrays["logprobs"]
+        if not (logprobs.max() <= 1e-3 and logprobs.min() > -np.inf):
             raise ProtocolError(f"{where}.logprobs", "must be finite log-probabilities (<= 0)")
-        if np.any(arrays["loss_mask"] > 1):
+        if arrays["loss_mask"].max() > 1:
             raise ProtocolError(f"{where}.loss_mask", "must hold only 0 and 1")
-        if np.any(arrays["token_ids"] < 0):
+        if arrays["token_ids"].min() < 0:
             raise ProtocolError(f"{where}.token_ids", "must be non-negative")
-        if np.any(arrays["versions"] < -1):
+        if arrays["versions"].min() < -1:
             raise ProtocolError(f"{where}.versions", "must be policy versions >= 0, or -1 for "
                                                      "prompt and environment tokens")
         reward = _req(d, "reward", (int, float), where)
@@ -269,6 +279,10 @@ class Sample:
             **floats,
             **arrays,
         )
+
+
+#: Sample's field names in declaration order (the wire's key order), read once
+_SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
 
 
 @dataclass
@@ -379,6 +393,8 @@ class WeightManifest:
 # ----------------------------------------------------------------------------- codec
 
 _TYPES = {"Task": Task, "Sample": Sample, "Batch": Batch, "WeightManifest": WeightManifest}
+#: exact types :func:`encode` passes to msgpack as they are (ndarrays through ``_default``)
+_LEAF_TYPES = frozenset((*_PLAIN_SCALARS, np.ndarray))
 
 
 def encode(payload: Any) -> bytes:
@@ -389,6 +405,8 @@ def encode(payload: Any) -> bytes:
     """
 
     def convert(obj: Any) -> Any:
+        if type(obj) in _LEAF_TYPES:  # most values: nothing to convert, no dataclass check
+            return obj
         if dataclasses.is_dataclass(obj) and type(obj).__name__ in _TYPES:
             body = {k: convert(v) for k, v in obj.to_wire().items()}
             body["__type__"] = type(obj).__name__
@@ -436,7 +454,8 @@ def decode(data: bytes, max_bytes: int | None = None) -> Any:
             "schema", f"version {env['schema']!r} not supported (this build speaks {SCHEMA_VERSION})"
         )
 
-    _check_plain(env["body"], "body")
+    if not _plain(env["body"]):
+        _check_plain(env["body"], "body")  # raises, naming where
 
     def rebuild(obj: Any, where: str) -> Any:
         if isinstance(obj, dict):
@@ -454,6 +473,26 @@ def decode(data: bytes, max_bytes: int | None = None) -> Any:
         return obj
 
     return rebuild(env["body"], "body")
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` holds only plain msgpack values nested at most MAX_DEPTH deep: the check
+    of :func:`_check_plain` without building the path of every map and list (a push of 128
+    samples has about 1,000). msgpack decodes to exactly these types, never to subclasses."""
+    if type(obj) not in (dict, list):
+        return type(obj) in _PLAIN_SCALARS
+    stack = [(obj, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth >= MAX_DEPTH:
+            return False
+        for v in (obj.values() if type(obj) is dict else obj):
+            t = type(v)
+            if t is dict or t is list:
+                stack.append((v, depth + 1))
+            elif t not in _PLAIN_SCALARS:
+                return False
+    return True
 
 
 def _check_plain(obj: Any, where: str) -> None:

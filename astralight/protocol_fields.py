@@ -10,6 +10,7 @@ from the message types they guard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -48,9 +49,16 @@ def _req(d: dict, key: str, types: type | tuple, where: str) -> Any:
     return value
 
 
+@functools.cache
+def field_names(cls: type) -> frozenset:
+    """The fields of the message dataclass ``cls`` and ``__type__`` (its tag on the wire), read
+    once per class: ``dataclasses.fields`` builds a tuple on every call, once per sample."""
+    return frozenset(f.name for f in dataclasses.fields(cls)) | {"__type__"}
+
+
 def _known(d: dict, cls: type, where: str) -> None:
     """Refuse fields ``cls`` does not have (a typo or a foreign message must not pass silently)."""
-    names = {f.name for f in dataclasses.fields(cls)} | {"__type__"}
+    names = field_names(cls)
     for key in d:
         if key not in names:
             raise ProtocolError(f"{where}.{str(key)[:64]}", f"unknown field of {cls.__name__}")

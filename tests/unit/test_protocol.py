@@ -145,6 +145,44 @@ def test_positive_logprob_is_refused():
     assert refused(encode(s)).field == "body.logprobs"
 
 
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, np.inf])
+def test_non_finite_logprob_is_refused(bad):
+    s = make_sample()
+    s.logprobs[4] = bad
+    assert refused(encode(s)).field == "body.logprobs"
+
+
+def test_nesting_deeper_than_the_limit_is_refused_naming_where():
+    from astralight.protocol import MAX_DEPTH
+
+    def nested(levels: int):
+        obj: object = 1
+        for i in range(levels):
+            obj = {"k": obj} if i % 2 else [obj]
+        return obj
+
+    err = refused(pack({"schema": SCHEMA_VERSION, "body": {"deep": nested(MAX_DEPTH)}}))
+    assert "nested deeper" in str(err) and err.field.startswith("body.deep")
+    assert decode(pack({"schema": SCHEMA_VERSION, "body": nested(MAX_DEPTH)})) == nested(MAX_DEPTH)
+
+
+def test_array_in_foreign_byte_order_arrives_with_its_values():
+    s = make_sample()
+    s.token_ids = s.token_ids.astype(">i4")
+    back = decode(encode(s))
+    assert back.token_ids.dtype == np.int32
+    assert back.token_ids.tolist() == s.token_ids.tolist()
+
+
+def test_containers_that_are_not_plain_dicts_or_lists_encode_as_maps_and_arrays():
+    from collections import OrderedDict
+
+    body = OrderedDict(a=(1, 2), b=[np.int64(3), np.float32(0.5)], s=make_sample())
+    back = decode(encode(body))
+    assert back["a"] == [1, 2] and back["b"] == [3, 0.5]
+    assert_same_sample(back["s"], body["s"])
+
+
 def test_missing_required_field_is_refused():
     env = wire(make_sample())
     del env["body"]["model_id"]
