@@ -133,6 +133,12 @@ class DataflowConfig:
         advantage_scale: ``"std"`` (GRPO: ``(r - mean) / (std + eps)`` per group) or
             ``"none"`` (Dr. GRPO: ``r - mean``, no division by the group's std, which
             up-weights groups whose rewards barely differ).
+        failed_group_advantage: the advantage of every sample of a train group in which all
+            failed (its rewards all equal and not above 0), instead of GRPO's 0; in [-1, 0].
+            A negative value (e.g. -0.1) pushes down what the group tried, so probability moves
+            to answers no sample has tried yet (negative sample reinforcement): on a task where
+            most groups find nothing, they stop being wasted. A ``zero_advantage`` sample
+            filter drops such groups before they are trained, so the two do not combine.
         lease_seconds: a leased task not pushed within this is re-issued (and counts as a
             failure of the instance that held it). Also the membership clock: an instance silent
             for half of it is ``suspect``, for all of it ``gone``.
@@ -252,6 +258,7 @@ class DataflowConfig:
     source: dict = field(default_factory=_default_source)
     group_size: int = 8
     advantage_scale: str = "std"
+    failed_group_advantage: float = 0.0
     lease_seconds: float = 60.0
     suspect_failures: int = 3
     slow_factor: float = 3.0
@@ -318,6 +325,11 @@ class DataflowConfig:
         if self.advantage_scale not in ("std", "none"):
             raise ValueError(f"advantage_scale: must be 'std' (GRPO) or 'none' (Dr. GRPO: r - "
                              f"mean), got {self.advantage_scale!r}")
+        if not -1.0 <= self.failed_group_advantage <= 0.0:  # also refuses NaN
+            raise ValueError("failed_group_advantage: must be in [-1, 0] (0: GRPO, a failed "
+                             "group teaches nothing; negative: push down what it tried), got "
+                             f"{self.failed_group_advantage!r}; a positive value would "
+                             "reinforce failures")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode: must be 'async' or 'sync', got {self.mode!r}")
         if self.mode == "sync" and self.sync_batch_size < 1:

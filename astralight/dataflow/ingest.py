@@ -166,10 +166,13 @@ def filter_groups(filters: Iterable[DataPlugin], samples: list[Sample]
     return kept, kept_groups, {m: [float(s.reward) for s in g] for m, g in groups.items()}
 
 
-def assign_advantages(samples: list[Sample], scale_by_std: bool = True) -> None:
+def assign_advantages(samples: list[Sample], scale_by_std: bool = True,
+                      failed_advantage: float = 0.0) -> None:
     """Group-normalised advantages per (model_id, role) within one task
     (:func:`astralight.rl.advantages.group_stats`), stored on each sample with its group's
-    mean and std; ``scale_by_std=False`` (``advantage_scale: none``) keeps ``r - mean``.
+    mean and std; ``scale_by_std=False`` (``advantage_scale: none``) keeps ``r - mean``;
+    ``failed_advantage`` (``failed_group_advantage``) is that of every sample of a group in
+    which all failed.
 
     One policy may play several roles in a workflow (a self-verifying solver); its answers and
     its verdicts are rewarded on different scales, so each role is its own group.
@@ -178,7 +181,8 @@ def assign_advantages(samples: list[Sample], scale_by_std: bool = True) -> None:
     for s in samples:
         groups[s.model_id, s.role].append(s)
     for group in groups.values():
-        mean, std, advantages = group_stats([s.reward for s in group], scale_by_std=scale_by_std)
+        mean, std, advantages = group_stats([s.reward for s in group], scale_by_std=scale_by_std,
+                                            failed_advantage=failed_advantage)
         for s, adv in zip(group, advantages):
             s.group_mean, s.group_std, s.advantage = mean, std, adv
 
@@ -226,7 +230,8 @@ class Ingest(Part):
             limits_of=lambda m: sample_limits(instance_id, m, cfg.vocab_sizes,
                                               self.pool.instance_limits),
             versions=self.versions, temperatures=cfg.temperatures)
-        assign_advantages(samples, scale_by_std=cfg.advantage_scale == "std")
+        assign_advantages(samples, scale_by_std=cfg.advantage_scale == "std",
+                          failed_advantage=cfg.failed_group_advantage)
         with self.store.tx() as tx:
             if row.kind == "eval":  # scored, never queued for training
                 self.evals.record(tx, row, samples, now)

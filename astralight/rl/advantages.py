@@ -23,15 +23,23 @@ ADV_EPS = 1e-6
 
 
 def group_stats(rewards: Sequence[float], eps: float = ADV_EPS,
-                scale_by_std: bool = True) -> tuple[float, float, list[float]]:
+                scale_by_std: bool = True,
+                failed_advantage: float = 0.0) -> tuple[float, float, list[float]]:
     """``(mean, std, advantages)`` of one group's rewards: the population std in float64 and
     ``A = (r - mean) / (std + eps)`` per reward, so a singleton or an all-equal group gets 0;
     ``scale_by_std=False`` gives Dr. GRPO's ``A = r - mean``.
+
+    ``failed_advantage``: the advantage of every sample of a *failed* group -- two or more
+    samples whose rewards are all equal and not above 0 -- instead of 0. A negative value lowers
+    the probability of what every sample tried (negative sample reinforcement), which moves it
+    to answers not yet sampled; GRPO leaves such a group without any gradient.
 
     The dataflow's ingest path (no torch): it stores ``mean`` and ``std`` on every sample too.
     """
     values = np.asarray(rewards, dtype=np.float64)
     mean, std = float(values.mean()), float(values.std())
+    if failed_advantage and values.size > 1 and values.max() == values.min() and mean <= 0:
+        return mean, std, [float(failed_advantage)] * values.size
     if not scale_by_std:
         return mean, std, [float(r - mean) for r in rewards]
     return mean, std, [(r - mean) / (std + eps) for r in rewards]

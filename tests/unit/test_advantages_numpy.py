@@ -34,3 +34,11 @@ def test_dr_grpo_keeps_the_centred_reward():
     assert (mean, std) == group_stats(rewards)[:2]
     assert adv == [r - mean for r in rewards]
     assert group_stats([1.0, 1.0], scale_by_std=False)[2] == [0.0, 0.0]
+
+
+def test_a_failed_group_gets_the_failed_advantage_and_no_other_group_does():
+    assert group_stats([0.0, 0.0, 0.0], failed_advantage=-0.2)[2] == [-0.2, -0.2, -0.2]
+    assert group_stats([-1.0, -1.0], scale_by_std=False, failed_advantage=-0.2)[2] == [-0.2, -0.2]
+    assert group_stats([1.0, 1.0], failed_advantage=-0.2)[2] == [0.0, 0.0]  # all correct
+    assert group_stats([0.0], failed_advantage=-0.2)[2] == [0.0]  # a singleton: no group
+    assert group_stats([0.0, 1.0], failed_advantage=-0.2) == group_stats([0.0, 1.0])

@@ -157,3 +157,20 @@ def test_advantage_scale_sets_the_served_advantages(tmp_path, scale, expected):
     flow.close()
     with pytest.raises(ValueError, match="advantage_scale: must be 'std'"):
         DataflowConfig(advantage_scale="mean")
+
+
+def test_failed_group_advantage_is_served_on_groups_in_which_all_failed(tmp_path):
+    """``failed_group_advantage``: every sample of an all-failed group is served with it (GRPO
+    would serve 0); mixed and all-correct groups keep GRPO's; a positive or NaN value is
+    refused naming the field."""
+    flow = make(tmp_path, failed_group_advantage=-0.2)
+    iid = flow.register(["policy"], 8, None, {})["instance_id"]
+    for rewards in ([0, 0], [1, 1], [1, 0]):
+        [task] = flow.lease(iid, 1)
+        flow.push(iid, task.task_id, samples(task, rewards))
+    batch = flow.pull("policy", 6)
+    assert [round(s.advantage, 4) for s in batch.samples] == [-0.2, -0.2, 0.0, 0.0, 1.0, -1.0]
+    flow.close()
+    for bad in (0.1, float("nan"), -1.5):
+        with pytest.raises(ValueError, match="failed_group_advantage: must be in"):
+            DataflowConfig(failed_group_advantage=bad)
