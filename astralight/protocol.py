@@ -506,11 +506,10 @@ def _check_plain(obj: Any, where: str) -> None:
                 raise ProtocolError(where, f"nested deeper than {MAX_DEPTH} levels")
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)
             for k, v in items:
-                if isinstance(v, (dict, list)) or not (v is None or isinstance(
-                        v, (str, bytes, int, float, bool))):
+                if isinstance(v, (dict, list)) or not isinstance(v, _PLAIN_SCALARS):
                     stack.append((v, f"{where}.{k}" if isinstance(obj, dict) else f"{where}[{k}]",
                                   depth + 1))
-        elif not (obj is None or isinstance(obj, (str, bytes, int, float, bool))):
+        elif not isinstance(obj, _PLAIN_SCALARS):
             raise ProtocolError(where, f"{type(obj).__name__} is not a plain msgpack value")
 
 

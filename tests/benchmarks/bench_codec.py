@@ -46,12 +46,13 @@ def load_baseline(ref: str):
     """``astralight/protocol.py`` at ``ref`` as a module named ``protocol_at_ref``."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:astralight/protocol.py"],
                          check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "protocol_at_ref.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("protocol_at_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["protocol_at_ref"] = mod  # dataclasses look their module up while building
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:  # executed once; the file is not needed after
+        path = Path(tmp) / "protocol_at_ref.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("protocol_at_ref", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["protocol_at_ref"] = mod  # dataclasses look their module up while building
+        spec.loader.exec_module(mod)
     return mod
 
 
