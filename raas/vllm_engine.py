@@ -140,6 +140,42 @@ def _token_versions(spans: Any, n: int, default: int) -> list[int]:
     return out
 
 
+#: vLLM's CPU KV-cache size in GiB (a legacy variable): on CPU it *replaces* an engine's
+#: ``kv_cache_memory_bytes``
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def _explicit_kv_cache_env(kv_cache_memory_bytes: int | None) -> dict[str, str | None]:
+    """The environment an engine with ``kv_cache_memory_bytes`` set is built under: without
+    ``VLLM_CPU_KVCACHE_SPACE``, which vLLM's CPU platform would otherwise put in its place (so a
+    recipe's 256 MiB became the launcher default's 1 GiB, and every RaaS start zeroed 1 GiB). The
+    engine's own argument is the more specific setting; the override is logged."""
+    value = os.environ.get(KV_CACHE_ENV)
+    if kv_cache_memory_bytes is None or not value:
+        return {}
+    log.info("kv_cache_memory_bytes=%d is used; %s=%s (GiB) is ignored for this engine",
+             kv_cache_memory_bytes, KV_CACHE_ENV, value)
+    return {KV_CACHE_ENV: None}
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _with_env(changes: dict[str, str | None], build):
+    """``build()`` with ``changes`` applied to ``os.environ`` (None: unset), restored after."""
+    saved = {k: os.environ.get(k) for k in changes}
+    _set_env(changes)
+    try:
+        return build()
+    finally:
+        _set_env(saved)
+
+
 class VLLMEngine(EngineBase):
     """One policy served by vLLM; implements :class:`astralight.engine.Engine`.
 
@@ -158,7 +194,8 @@ class VLLMEngine(EngineBase):
         max_model_len: context length (prompt + completion); None takes the model's.
         seed: seeds vLLM's sampler, so a run is reproducible given the same requests.
         gpu_memory_utilization: share of GPU memory vLLM may use (GPU only).
-        kv_cache_memory_bytes: KV-cache size; needed on CPU (or set VLLM_CPU_KVCACHE_SPACE).
+        kv_cache_memory_bytes: KV-cache size; needed on CPU (or set VLLM_CPU_KVCACHE_SPACE, in
+            GiB, which this replaces: vLLM alone would let the variable win).
         enforce_eager: disable CUDA graphs / compilation; None = eager on CPU, graphs on GPU.
         warmup: run one tiny generation now, so the first real call does not pay vLLM's
             one-time warm-up (seconds on CPU) in the middle of a lease.
@@ -250,7 +287,8 @@ class VLLMEngine(EngineBase):
             self._driver.call(no_torch_compile)
         if not torch.cuda.is_available():
             inspect_models_in_process()
-        self.llm = self._driver.call(lambda: LLM(**kwargs))
+        kv_env = _explicit_kv_cache_env(kv_cache_memory_bytes)
+        self.llm = self._driver.call(lambda: _with_env(kv_env, lambda: LLM(**kwargs)))
         self.start_s = time.perf_counter() - start
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
         if core != "InprocClient":

@@ -14,7 +14,12 @@ picks by index or model_id), ``pythonpath`` and the typed schema of its keys -- 
 launcher checks every component config and every local model and data path
 (:mod:`astralight.launch.check`; alone: ``astralight run --check RECIPE``).
 
-Tokens: the components inherit the launcher's environment. With scoped tokens set
+Start-up: each RaaS and trainer is prewarmed -- its process is started before the check and
+only imports until the launcher hands it its command line (:mod:`astralight.prewarm`;
+``ASTRALIGHT_PREWARM=0`` turns it off); a restart starts fresh.
+
+Tokens: the components inherit the launcher's environment as it was when the launch began (what
+the check's own imports add to ``os.environ`` does not reach them). With scoped tokens set
 (``ASTRALIGHT_ROLLOUT_TOKEN``, ``ASTRALIGHT_TRAINER_TOKEN``, ``ASTRALIGHT_ADMIN_TOKEN``, or their
 ``_FILE`` forms) the dataflow gets them all, and every other component gets only the token of its
 scope, as ``ASTRALIGHT_TOKEN``: each RaaS the rollout token, each trainer the trainer token bound

@@ -49,6 +49,10 @@ class Component:
     cpus: list[int] | None = None
     config: dict | None = None
     extra_argv: list[str] = field(default_factory=list)
+    #: the launcher's environment it inherits (None: ``os.environ`` as it is at each start)
+    base_env: dict | None = None
+    #: whether the running process is a prewarmed one it became (:mod:`astralight.prewarm`)
+    prewarmed: bool = False
     proc: subprocess.Popen | None = None
     log_file: Any = None
     lifetimes: list[list[float | None]] = field(default_factory=list)
@@ -64,11 +68,23 @@ class Component:
         for a service (they drain or commit on it)."""
         return signal.SIGINT if self.kind == "trainer" else signal.SIGTERM
 
-    def start(self) -> None:
+    def start(self, pool: Any = None) -> None:
+        """Start the process; ``pool`` (a :class:`~astralight.prewarm.PrewarmPool`): become one
+        of its prewarmed processes that fits, if one does, instead of starting a fresh one."""
         if self.log_file is not None:  # a restart: the previous process's log handle
             self.log_file.close()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.log_path, "ab", buffering=0)
+        argv, env = self.argv + list(self.extra_argv), self.child_env()
+        warm = pool.take(self.kind, env, self.cpus, self.stop_signal) if pool else None
+        self.proc = warm.hand_off(argv, env, self.log_path) if warm is not None else None
+        self.prewarmed = self.proc is not None
+        if self.prewarmed:
+            self.lifetimes.append([time.time(), None])
+            return
+        if pool is not None and pool.misfits:  # a prewarmed one was there: say why not it
+            print(f"[launch] {self.name}: started fresh, not prewarmed: "
+                  f"{'; '.join(pool.misfits)}", flush=True)
         # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then stops
         # the components in order instead of all at once. The child gets SIGTERM if the launcher
         # dies, even by SIGKILL (astralight.proc): a killed launcher leaves no stray component.
@@ -76,9 +92,8 @@ class Component:
         # which outlives them (the parent-death signal follows the forking thread). The signal is
         # the one the launcher's own stop sends: SIGINT for a trainer (Lightning's graceful stop,
         # which also breaks out of a wait on a dataflow that died too), SIGTERM for a service.
-        self.proc = spawn(self.argv + list(self.extra_argv), cpus=self.cpus, stdout=self.log_file,
-                          stderr=subprocess.STDOUT, env=self.child_env(),
-                          death_signal=self.stop_signal)
+        self.proc = spawn(argv, cpus=self.cpus, stdout=self.log_file, stderr=subprocess.STDOUT,
+                          env=env, death_signal=self.stop_signal)
         self.lifetimes.append([time.time(), None])
 
     def child_env(self) -> dict:
@@ -88,7 +103,8 @@ class Component:
         (:func:`astralight.dataflow.auth.handoff_env`)."""
         from astralight.dataflow.auth import KIND_SCOPES, handoff_env
 
-        env = {**os.environ, **{k: str(v) for k, v in self.env.items()}}
+        base = os.environ if self.base_env is None else self.base_env
+        env = {**base, **{k: str(v) for k, v in self.env.items()}}
         trainer = self.kind == "trainer" and "-" in self.name
         model_id = self.name.split("-", 1)[1] if trainer else None
         return handoff_env(env, KIND_SCOPES.get(self.kind), model_id)
@@ -233,14 +249,25 @@ def _vocab_size(model_path: Any) -> int | None:
     return int(size) if isinstance(size, int) and size > 0 else None
 
 
-def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[Component]:
-    """The run's processes, in start order: dataflow, rollout services (or the autoscaler),
-    trainers."""
-    py = [sys.executable, "-m", "astralight.cli"]
+def kind_envs(recipe: dict) -> dict[str, dict]:
+    """The ``env`` of each component kind (``dataflow``, ``raas``, ``trainer``): the recipe's
+    ``env.<kind>``, its ``pythonpath`` in front, and for a pinned RaaS the cores vLLM binds its
+    OpenMP threads to. The autoscaler gets the RaaS one."""
     env, cpus = recipe.get("env") or {}, _affinity(recipe.get("cpu_affinity") or {})
     raas_env = dict(env.get("raas", {}))
     if "raas" in cpus:  # vLLM binds its OpenMP threads itself; tell it which cores are its own
         raas_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus["raas"])))
+    return {"dataflow": with_pythonpath(recipe, env.get("dataflow", {})),
+            "raas": with_pythonpath(recipe, raas_env),
+            "trainer": with_pythonpath(recipe, env.get("trainer", {}))}
+
+
+def build_components(recipe: dict, run_dir: Path, url: str, port: int,
+                     base_env: dict | None = None) -> list[Component]:
+    """The run's processes, in start order: dataflow, rollout services (or the autoscaler),
+    trainers; each inherits ``base_env`` (None: the launcher's ``os.environ`` at its start)."""
+    py = [sys.executable, "-m", "astralight.cli"]
+    envs, cpus = kind_envs(recipe), _affinity(recipe.get("cpu_affinity") or {})
     comps = []
     configs = component_configs(recipe, run_dir, port)
     autoscale = recipe.get("autoscale")
@@ -251,13 +278,13 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
         path = str(_write_yaml(run_dir / "configs" / f"{name}.yaml", cfg))
         kind = name.split("-")[0]
         if kind == "dataflow":
-            argv, kind_env = ["dataflow", "serve", "--config", path], env.get("dataflow", {})
+            argv = ["dataflow", "serve", "--config", path]
         elif kind == "raas":
-            argv, kind_env = ["raas", "serve", "--dataflow", url, "--config", path], raas_env
+            argv = ["raas", "serve", "--dataflow", url, "--config", path]
         else:
-            argv, kind_env = ["fit", "--config", path], env.get("trainer", {})
+            argv = ["fit", "--config", path]
         comps.append(Component(name, py + argv, run_dir / "logs" / f"{name}.log",
-                               env=with_pythonpath(recipe, kind_env), cpus=cpus.get(kind),
+                               env=envs[kind], cpus=cpus.get(kind), base_env=base_env,
                                config=cfg))
     if autoscale is not None:
         # started right after the dataflow; pinned to the RaaS cores, which its children (the
@@ -265,13 +292,68 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int) -> list[C
         argv = autoscale_argv(autoscale_settings(autoscale), url, str(template),
                               recipe["stop"].get("model_id", "policy"), run_dir)
         comps.insert(1, Component("autoscale", py + argv, run_dir / "logs" / "autoscale.log",
-                                  env=with_pythonpath(recipe, raas_env), cpus=cpus.get("raas")))
+                                  env=envs["raas"], cpus=cpus.get("raas"),
+                                  base_env=base_env))
     for comp in comps:  # each one's token hand-off, checked before anything starts
         try:
             comp.child_env()
         except ValueError as exc:
             raise RecipeError(f"tokens for {comp.name}: {exc}") from None
     return comps
+
+
+#: what a prewarmed process of each kind imports before any config is read
+#: (:mod:`astralight.prewarm`): the component's entry point and the heavy libraries it loads
+PREWARM_IMPORTS = {"raas": ("astralight.raas.service",),
+                   "trainer": ("astralight.trainer_cli", "transformers.models.auto.modeling_auto")}
+#: what a vLLM engine adds to a RaaS's prewarm imports (what ``from vllm import LLM`` loads)
+VLLM_IMPORTS = ("vllm.entrypoints.llm",)
+
+
+def prewarm_plan(recipe: dict) -> list[tuple[str, list[str], int]]:
+    """``(kind, imports, stop signal)`` of the prewarmed process of each RaaS and trainer of
+    ``recipe``, in start order: the kind's :data:`PREWARM_IMPORTS`, each engine's and policy's
+    module (and vLLM for the default engine). An autoscaled pool gets none (its RaaS are the
+    autoscaler's children)."""
+    from astralight.raas.config import DEFAULT_ENGINE
+
+    plan: list[tuple[str, list[str], int]] = []
+    if recipe.get("autoscale") is None:
+        for entry in recipe.get("raas") or []:
+            imports = list(PREWARM_IMPORTS["raas"])
+            engines = (entry.get("engines") if isinstance(entry, dict) else None) or {}
+            for spec in engines.values():
+                path = spec.get("class_path", DEFAULT_ENGINE) if isinstance(spec, dict) else None
+                if isinstance(path, str) and "." in path and "{" not in path:
+                    imports.append(path.rpartition(".")[0])
+                    if path == DEFAULT_ENGINE:
+                        imports += VLLM_IMPORTS
+            plan.append(("raas", list(dict.fromkeys(imports)), signal.SIGTERM))
+    for entry in recipe.get("trainers") or []:
+        imports = list(PREWARM_IMPORTS["trainer"])
+        model = (entry.get("model") if isinstance(entry, dict) else None) or {}
+        path = model.get("class_path") if isinstance(model, dict) else None
+        if isinstance(path, str) and "." in path and "{" not in path:
+            imports.append(path.rpartition(".")[0])
+        plan.append(("trainer", list(dict.fromkeys(imports)), signal.SIGINT))
+    return plan
+
+
+def prewarm_components(recipe: dict, run_dir: Path, pool: Any, base_env: dict) -> int:
+    """Start, in ``pool`` (a :class:`~astralight.prewarm.PrewarmPool`), the prewarmed processes
+    of :func:`prewarm_plan`, each with the environment (``base_env`` and its kind's ``env``)
+    and pinning :func:`build_components` will give its component; the number started (0 with
+    ``ASTRALIGHT_PREWARM=0``)."""
+    from astralight.prewarm import enabled
+
+    if not enabled(base_env):
+        return 0
+    envs, cpus = kind_envs(recipe), _affinity(recipe.get("cpu_affinity") or {})
+    plan = prewarm_plan(recipe)
+    for kind, imports, sig in plan:
+        env = {**base_env, **{k: str(v) for k, v in envs[kind].items()}}
+        pool.start(kind, imports, env, cpus.get(kind), sig, run_dir)
+    return len(plan)
 
 
 def write_pids(run_dir: Path, comps: list[Component]) -> Path:

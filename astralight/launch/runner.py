@@ -24,6 +24,7 @@ from astralight.launch.components import (
     _default_recipe,
     _free_port,
     build_components,
+    prewarm_components,
     running_components,
     write_pids,
 )
@@ -58,6 +59,7 @@ from astralight.launch.stop import (TIMEOUT, StopConditions, StopError, StopSequ
 from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
                                     wall_s_to_accuracy, write_summary)
+from astralight.prewarm import PrewarmPool
 from astralight.supervise import GiveUp, RestartEvent, Supervisor
 
 
@@ -88,9 +90,18 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     if resume:
         recipe_path, run_dir = _resume_target(recipe_path, run_dir)
     recipe_path = Path(recipe_path) if recipe_path is not None else _default_recipe()
-    recipe, settings, stop = _read_recipe(recipe_path, run_dir, check)
-    launch = Launch(recipe_path, recipe, stop, settings, run_dir, resume=resume, quiet=quiet,
-                    t_start=t_start)
+    # what the components inherit: this environment now, not what the check's and prepare's
+    # imports add to it (torch and vLLM set variables of their own)
+    base_env = _component_env()
+    pool = PrewarmPool()  # RaaS and trainers import while the recipe is checked and prepared
+    try:
+        recipe, settings, stop, run_dir = _read_recipe(recipe_path, run_dir, check, pool,
+                                                       base_env)
+        launch = Launch(recipe_path, recipe, stop, settings, run_dir, resume=resume, quiet=quiet,
+                        t_start=t_start, pool=pool, base_env=base_env)
+    except BaseException:
+        pool.close()
+        raise
     previous_term = _stop_on_sigterm()
     try:
         launch.start_components()
@@ -102,6 +113,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     except GiveUp as exc:
         raise RuntimeError(str(exc)) from None
     finally:
+        pool.close()
         launch.stop_components()
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
@@ -134,23 +146,42 @@ def _resume_target(recipe_path: Path | None, run_dir: Path | None) -> tuple[Path
     return recipe_path, run_dir
 
 
-def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool) -> tuple[dict, dict, dict]:
-    """The recipe, its supervise settings and its stop settings, checked before anything starts
-    (the recipe's ``pythonpath`` goes on ``sys.path`` first, for the checks and prepare)."""
+def _component_env() -> dict[str, str]:
+    """The environment every component inherits: the launcher's, with defaults for vLLM's CPU
+    KV cache size and in-process engine core and no tokenizer thread pools."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TOKENIZERS_PARALLELISM": "false", **os.environ}
+
+
+def _run_folder(recipe_path: Path, recipe: dict, run_dir: Path | None) -> Path:
+    """The run folder: ``run_dir``, or ``runs/NAME-YYYYmmdd-HHMMSS`` (NAME: the recipe's
+    ``name``, else its file name), absolute."""
+    name = recipe.get("name", recipe_path.stem)
+    return Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: PrewarmPool,
+                 base_env: dict) -> tuple[dict, dict, dict, Path]:
+    """The recipe, its supervise settings, its stop settings and the run folder, checked before
+    anything starts (the recipe's ``pythonpath`` goes on ``sys.path`` first, for the checks and
+    prepare). The RaaS and trainers are prewarmed in ``pool`` before the check
+    (:mod:`astralight.prewarm`): they only import until they are started."""
     recipe = load_recipe(recipe_path)
     settings = supervise_settings_checked(recipe.get("supervise"))
     use_pythonpath(recipe)
+    try:  # stop.versions and max_steps in step, stop's defaults
+        resolved = resolve_versions(recipe)
+        stop = stop_settings(resolved["stop"])
+    except StopError as exc:
+        raise RecipeError(str(exc)) from None
+    folder = _run_folder(recipe_path, recipe, run_dir)
+    prewarm_components(recipe, folder, pool, base_env)
     if check:
         from astralight.launch.check import check_recipe
 
         checked = check_recipe(recipe_path, recipe, run_dir)
         print(f"[launch] {checked.line()}", flush=True)
-    try:  # stop.versions and max_steps in step, stop's defaults
-        recipe = resolve_versions(recipe)
-        stop = stop_settings(recipe["stop"])
-    except StopError as exc:
-        raise RecipeError(str(exc)) from None
-    return recipe, settings, stop
+    return resolved, settings, stop, folder
 
 
 def _interrupt(signum, frame) -> None:
@@ -192,8 +223,10 @@ class Launch:
     what the watch of the run has seen (stats, evaluations, the stop sequence)."""
 
     def __init__(self, recipe_path: Path, recipe: dict, stop: dict, settings: dict,
-                 run_dir: Path | None, *, resume: bool, quiet: bool, t_start: float):
+                 run_dir: Path | None, *, resume: bool, quiet: bool, t_start: float,
+                 pool: PrewarmPool | None = None, base_env: dict | None = None):
         self.resume, self.quiet, self.t_start, self.stop = resume, quiet, t_start, stop
+        self.pool = pool  # prewarmed processes the components' first starts become
         self.name = recipe.get("name", recipe_path.stem)
         self.run_dir = self._open_run_folder(recipe_path, recipe, run_dir)
         self.prior = _load_launch_state(self.run_dir)
@@ -203,10 +236,8 @@ class Launch:
         self.url = f"http://127.0.0.1:{port}"
         self.recipe = self._prepared(recipe)
         self.model_id, self.target = stop["model_id"], int(stop["versions"])
-        self.comps = build_components(self.recipe, self.run_dir, self.url, port)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.comps = build_components(self.recipe, self.run_dir, self.url, port,
+                                      base_env if base_env is not None else _component_env())
         # where the run stood just after each crash, (version, rollouts) from the first stats
         # read after it: progress beyond that tells when the restarted component recovered
         self.marks: dict[int, tuple[int, int]] = {}
@@ -224,8 +255,7 @@ class Launch:
     def _open_run_folder(self, recipe_path: Path, recipe: dict, run_dir: Path | None) -> Path:
         """Create the run folder, open its ``launch.log`` and save the resolved recipe there
         (what ``--resume`` reads)."""
-        stamp = time.strftime('%Y%m%d-%H%M%S')
-        run_dir = Path(run_dir or Path("runs") / f"{self.name}-{stamp}").resolve()
+        run_dir = _run_folder(recipe_path, recipe, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.launch_log = current_launch_log().open(run_dir / "launch.log")
         print(f"[launch] run folder: {run_dir}{' (resuming)' if self.resume else ''}", flush=True)
@@ -254,7 +284,7 @@ class Launch:
         note = ""
         if comp.kind == "trainer" and (self.resume or comp.lifetimes):
             comp.extra_argv, note = _trainer_resume_args(comp, self.run_dir)
-        comp.start()
+        comp.start(None if comp.lifetimes else self.pool)  # a restart starts fresh
         write_pids(self.run_dir, self.comps)
         return note
 
@@ -280,8 +310,11 @@ class Launch:
         print(f"[launch] dataflow ready at {self.url}", flush=True)
         for comp in self.comps[1:]:
             note = self.start(comp)
-            print(f"[launch] started {comp.name} (log: {comp.log_path})"
+            print(f"[launch] started {comp.name} ({'prewarmed; ' if comp.prewarmed else ''}"
+                  f"log: {comp.log_path})"
                   f"{' ' + note if note and comp.kind == 'trainer' else ''}", flush=True)
+        if self.pool is not None:
+            self.pool.close()  # prewarmed processes no component became
 
     def stop_components(self) -> None:
         """Stop every component in reverse start order, each with its own signal (trainers

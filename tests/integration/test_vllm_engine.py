@@ -345,3 +345,14 @@ def test_seeded_requests_beyond_one_steps_token_budget(engine):
     first = engine.generate_batch(prompts, spec)
     again = engine.generate_batch(prompts, spec)
     assert len(first) == 256 and [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
+def test_the_engines_kv_cache_size_wins_over_the_legacy_variable(engine):
+    """The fixture's engine asks for 64 MiB while VLLM_CPU_KVCACHE_SPACE=1 is set (conftest, as
+    the launcher's default): vLLM's CPU platform alone replaced the size with the variable's
+    1 GiB. The engine's own size is used, and the variable is left set for other engines."""
+    import os
+
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == "1"
+    assert cache.kv_cache_memory_bytes == 64 << 20
