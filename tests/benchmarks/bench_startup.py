@@ -16,9 +16,10 @@ prepare step), for ``--versions`` versions, alternating arm order per repeat:
 Per run, from the run's own records (the dataflow's SQLite state): ``launch_to_raas_s`` (the
 launcher's start to the RaaS's registration), ``dataflow_to_raas_s`` (the dataflow's start to
 it), ``launch_to_v1_s`` and ``dataflow_to_v1_s`` (to the publication of version 1), and the
-RaaS's ``engines_up_s`` (its own log). Prints one JSON object: every run, each arm's medians,
-``ratio_launch_to_v1`` and ``ratio_dataflow_to_v1`` (new / baseline) and the machine's load
-before and after.
+RaaS's ``engines_up_s`` (its own log), and ``steady_s_per_version`` (version 10 to the last: the
+pace once started, which the start-up must not change). Prints one JSON object: every run, each
+arm's medians, ``ratio_launch_to_v1`` and ``ratio_dataflow_to_v1`` (new / baseline, or the last
+arm run when ``--arms`` leaves baseline out) and the machine's load before and after.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TOY_RECIPE = ROOT / "examples" / "toy" / "recipe.yaml"
 ARMS = {"new": ({}, None), "no_prewarm": ({"ASTRALIGHT_PREWARM": "0"}, None),
         "baseline": ({"ASTRALIGHT_PREWARM": "0"}, 1 << 30)}
 FIGURES = ("launch_to_raas_s", "dataflow_to_raas_s", "launch_to_v1_s", "dataflow_to_v1_s",
-           "engines_up_s", "wall_s")
+           "engines_up_s", "wall_s", "steady_s_per_version")
 
 
 def _load() -> list[float]:
@@ -89,6 +90,7 @@ def one_run(out: Path, init: Path, arm: str, index: int, versions: int) -> dict:
         started = float(dict(db.execute("SELECT key, value FROM meta"))["started_at"])
         raas = min(r for (r,) in db.execute("SELECT registered_at FROM instances"))
         v1 = db.execute("SELECT published_at FROM version_times WHERE version = 1").fetchone()[0]
+        times = dict(db.execute("SELECT version, published_at FROM version_times"))
     finally:
         db.close()
     up = re.search(r"engines_up_s=([0-9.]+)", (run_dir / "logs" / "raas-0.log").read_text())
@@ -96,7 +98,16 @@ def one_run(out: Path, init: Path, arm: str, index: int, versions: int) -> dict:
     return {"arm": arm, "index": index, "launch_to_raas_s": round(raas - launched, 2),
             "dataflow_to_raas_s": round(raas - started, 2),
             "launch_to_v1_s": round(v1 - launched, 2), "dataflow_to_v1_s": round(v1 - started, 2),
-            "engines_up_s": float(up.group(1)) if up else None, "wall_s": summary.get("wall_s")}
+            "engines_up_s": float(up.group(1)) if up else None, "wall_s": summary.get("wall_s"),
+            "steady_s_per_version": _steady(times)}
+
+
+def _steady(times: dict[int, float]) -> float | None:
+    """Seconds per version from version 10 to the last (past the start-up), None if too few."""
+    last = max(times)
+    if last < 20 or 10 not in times:
+        return None
+    return round((times[last] - times[10]) / (last - 10), 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--versions", type=int, default=10)
     ap.add_argument("--out-dir", type=Path, default=Path("/tmp/bench_startup"))
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args(argv)
     out = args.out_dir.resolve()
@@ -112,20 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     load_before = _load()
     runs = []
     for i in range(args.repeats):
-        names = list(ARMS)
+        names = [a for a in ARMS if a in args.arms.split(",")]
         for arm in names[i % len(names):] + names[:i % len(names)]:  # each arm first in turn
             runs.append(one_run(out, init, arm, i, args.versions))
             if not args.json:
                 print(json.dumps(runs[-1]), flush=True)
-    medians = {arm: {k: round(statistics.median(r[k] for r in runs
-                                                if r["arm"] == arm and r[k] is not None), 2)
-                     for k in FIGURES} for arm in ARMS}
+    medians = {arm: {k: round(statistics.median(values), 3) for k in FIGURES
+                     if (values := [r[k] for r in runs if r["arm"] == arm and r[k] is not None])}
+               for arm in ARMS if any(r["arm"] == arm for r in runs)}
+    base = "baseline" if "baseline" in medians else list(medians)[-1]
     result = {"bench": "startup", "repeats": args.repeats, "versions": args.versions,
               "runs": runs, "median": medians,
+              "baseline_arm": base,
               "ratio_launch_to_v1": round(medians["new"]["launch_to_v1_s"]
-                                          / medians["baseline"]["launch_to_v1_s"], 3),
+                                          / medians[base]["launch_to_v1_s"], 3),
               "ratio_dataflow_to_v1": round(medians["new"]["dataflow_to_v1_s"]
-                                            / medians["baseline"]["dataflow_to_v1_s"], 3),
+                                            / medians[base]["dataflow_to_v1_s"], 3),
               "load_before": load_before, "load_after": _load()}
     print(json.dumps(result))
     return 0
