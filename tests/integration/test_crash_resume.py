@@ -357,9 +357,13 @@ def read_pids(run_dir: Path) -> dict:
 def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "launch.log"
+    # 30 versions, not 6: with the RaaS prewarmed it is up before the trainer has loaded, and
+    # the trainer then trained 6 small batches from the buffer before the kill could land
+    # between version 2 and the end (no progress left to recover: recovery_s stayed None)
+    recipe = crash_recipe(tmp_path, versions=30)
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
-                                     str(crash_recipe(tmp_path)), "--run-dir", str(run_dir)],
+                                     str(recipe), "--run-dir", str(run_dir)],
                                     stdout=out, stderr=subprocess.STDOUT)
     try:
         pids = wait_for(lambda: read_pids(run_dir).get("trainer-policy") and read_pids(run_dir),
@@ -370,6 +374,7 @@ def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
                  (run_dir / "checkpoints" / "policy" / "last.ckpt").exists(), 300,
                  "version 2 and last.ckpt", launcher, log)
         os.kill(pids["trainer-policy"], signal.SIGKILL)
+        version_at_kill = current_version(url)
         # the launcher notices, restarts it from last.ckpt and writes its new pid
         new = wait_for(lambda: read_pids(run_dir).get("trainer-policy") not in
                        (None, pids["trainer-policy"]) and read_pids(run_dir), 120,
@@ -381,7 +386,8 @@ def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
             launcher.send_signal(signal.SIGINT)
             launcher.wait(timeout=120)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["versions"] == 6 and summary["eval_versions"][-1] == 6
+    assert summary["versions"] == 30 and summary["eval_versions"][-1] == 30
+    assert 2 <= version_at_kill < 30  # killed mid-run: the restart had versions left to train
     assert summary["restarts"] == {"dataflow": 0, "raas-0": 0, "trainer-policy": 1}
     [event] = summary["restart_events"]
     assert event["component"] == "trainer-policy" and event["returncode"] == -signal.SIGKILL
