@@ -118,13 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     args = ap.parse_args(argv)
+    wanted = args.arms.split(",")
+    unknown = sorted(set(wanted) - set(ARMS))
+    if unknown or "new" not in wanted or len(set(wanted)) < 2:
+        ap.error(f"--arms: name 'new' and at least one of {list(ARMS)[1:]}"
+                 + (f"; unknown {unknown}" if unknown else ""))
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     init = build_init(out / "init")
     load_before = _load()
     runs = []
     for i in range(args.repeats):
-        names = [a for a in ARMS if a in args.arms.split(",")]
+        names = [a for a in ARMS if a in wanted]
         for arm in names[i % len(names):] + names[:i % len(names)]:  # each arm first in turn
             runs.append(one_run(out, init, arm, i, args.versions))
             if not args.json:
