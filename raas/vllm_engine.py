@@ -25,7 +25,8 @@ from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
 from astralight.raas import vllm_driver
 from astralight.raas.cpu_features import engine_dtype, request_amx
 from astralight.raas.engine import EngineBase
-from astralight.raas.vllm_startup import inspect_models_in_process, no_torch_compile
+from astralight.raas.vllm_startup import (explicit_kv_cache_env, inspect_models_in_process,
+                                          no_torch_compile, with_env)
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
 
 log = logging.getLogger(__name__)
@@ -140,42 +141,6 @@ def _token_versions(spans: Any, n: int, default: int) -> list[int]:
     return out
 
 
-#: vLLM's CPU KV-cache size in GiB (a legacy variable): on CPU it *replaces* an engine's
-#: ``kv_cache_memory_bytes``
-KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-
-
-def _explicit_kv_cache_env(kv_cache_memory_bytes: int | None) -> dict[str, str | None]:
-    """The environment an engine with ``kv_cache_memory_bytes`` set is built under: without
-    ``VLLM_CPU_KVCACHE_SPACE``, which vLLM's CPU platform would otherwise put in its place (so a
-    recipe's 256 MiB became the launcher default's 1 GiB, and every RaaS start zeroed 1 GiB). The
-    engine's own argument is the more specific setting; the override is logged."""
-    value = os.environ.get(KV_CACHE_ENV)
-    if kv_cache_memory_bytes is None or not value:
-        return {}
-    log.info("kv_cache_memory_bytes=%d is used; %s=%s (GiB) is ignored for this engine",
-             kv_cache_memory_bytes, KV_CACHE_ENV, value)
-    return {KV_CACHE_ENV: None}
-
-
-def _set_env(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def _with_env(changes: dict[str, str | None], build):
-    """``build()`` with ``changes`` applied to ``os.environ`` (None: unset), restored after."""
-    saved = {k: os.environ.get(k) for k in changes}
-    _set_env(changes)
-    try:
-        return build()
-    finally:
-        _set_env(saved)
-
-
 class VLLMEngine(EngineBase):
     """One policy served by vLLM; implements :class:`astralight.engine.Engine`.
 
@@ -287,8 +252,8 @@ class VLLMEngine(EngineBase):
             self._driver.call(no_torch_compile)
         if not torch.cuda.is_available():
             inspect_models_in_process()
-        kv_env = _explicit_kv_cache_env(kv_cache_memory_bytes)
-        self.llm = self._driver.call(lambda: _with_env(kv_env, lambda: LLM(**kwargs)))
+        kv_env = explicit_kv_cache_env(kv_cache_memory_bytes)
+        self.llm = self._driver.call(lambda: with_env(kv_env, lambda: LLM(**kwargs)))
         self.start_s = time.perf_counter() - start
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
         if core != "InprocClient":

@@ -33,6 +33,12 @@ def _default_recipe() -> Path:
     return Path(astralight.toy.__file__).resolve().parent / "recipe.yaml"
 
 
+def inherited_env(base: Any, env: dict) -> dict[str, str]:
+    """``base`` (the launcher's environment) with a component's own ``env`` over it, as strings:
+    what a component, or its prewarmed process, starts with (before its token hand-off)."""
+    return {**base, **{k: str(v) for k, v in env.items()}}
+
+
 @dataclass
 class Component:
     """One child process of the run and where its output goes.
@@ -103,8 +109,7 @@ class Component:
         (:func:`astralight.dataflow.auth.handoff_env`)."""
         from astralight.dataflow.auth import KIND_SCOPES, handoff_env
 
-        base = os.environ if self.base_env is None else self.base_env
-        env = {**base, **{k: str(v) for k, v in self.env.items()}}
+        env = inherited_env(os.environ if self.base_env is None else self.base_env, self.env)
         trainer = self.kind == "trainer" and "-" in self.name
         model_id = self.name.split("-", 1)[1] if trainer else None
         return handoff_env(env, KIND_SCOPES.get(self.kind), model_id)
@@ -351,8 +356,8 @@ def prewarm_components(recipe: dict, run_dir: Path, pool: Any, base_env: dict) -
     envs, cpus = kind_envs(recipe), _affinity(recipe.get("cpu_affinity") or {})
     plan = prewarm_plan(recipe)
     for kind, imports, sig in plan:
-        env = {**base_env, **{k: str(v) for k, v in envs[kind].items()}}
-        pool.start(kind, imports, env, cpus.get(kind), sig, run_dir)
+        pool.start(kind, imports, inherited_env(base_env, envs[kind]), cpus.get(kind), sig,
+                   run_dir)
     return len(plan)
 
 
