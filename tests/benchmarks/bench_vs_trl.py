@@ -27,7 +27,8 @@ over the unseen facts (:func:`astralight.tasks.warmstart.sample_completions`, on
 Prints one JSON object: ``astra_acc_at_budget``, ``trl_acc_at_budget``, ``trl_best``,
 ``astra_wall_to_trl_best`` (first eval point where astralight reached TRL's best; null if
 never), ``trl_wall_to_trl_best``, ``ratio_wall_to_trl_best`` (astra / trl), samples and
-optimizer steps of each arm at the budget, both curves, and the machine's load.
+optimizer steps of each arm at the budget, both curves, and the machine's load. An arm left out
+with ``--arms`` has null figures and curve.
 """
 
 from __future__ import annotations
@@ -327,21 +328,29 @@ def first_at(curve: list[dict], level: float) -> float | None:
     return next((r["t"] for r in curve if r["acc"] >= level), None)
 
 
-def figures(astra: dict, trl: dict, load_before: list[float]) -> dict:
-    a, t = astra["curve"], trl["curve"]
-    trl_best = max(r["acc"] for r in t)
-    astra_to, trl_to = first_at(a, trl_best), first_at(t, trl_best)
+def figures(astra: dict | None, trl: dict | None, load_before: list[float]) -> dict:
+    """The printed figures; an arm that was not run (``None``, ``--arms``) has null figures
+    and no curve, not the warm start's."""
+    a = astra["curve"] if astra else None
+    t = trl["curve"] if trl else None
+    trl_best = max(r["acc"] for r in t) if t else None
+    astra_to = first_at(a, trl_best) if a and t else None
+    trl_to = first_at(t, trl_best) if t else None
+
+    def last(curve, key):
+        return curve[-1][key] if curve else None
+
     return {
-        "astra_acc_at_budget": a[-1]["acc"], "trl_acc_at_budget": t[-1]["acc"],
-        "warm_start_acc": a[0]["acc"], "trl_best": trl_best,
+        "astra_acc_at_budget": last(a, "acc"), "trl_acc_at_budget": last(t, "acc"),
+        "warm_start_acc": (a or t)[0]["acc"] if (a or t) else None, "trl_best": trl_best,
         "astra_wall_to_trl_best": astra_to, "trl_wall_to_trl_best": trl_to,
         "ratio_wall_to_trl_best": (round(astra_to / trl_to, 3)
                                    if astra_to is not None and trl_to else None),
-        "astra_samples": a[-1]["samples"], "astra_steps": a[-1]["steps"],
-        "trl_samples": t[-1]["samples"], "trl_steps": t[-1]["steps"],
-        "astra_curve": [(r["t"], r["acc"]) for r in a],
-        "trl_curve": [(r["t"], r["acc"]) for r in t],
-        "astra_summary": astra.get("summary"),
+        "astra_samples": last(a, "samples"), "astra_steps": last(a, "steps"),
+        "trl_samples": last(t, "samples"), "trl_steps": last(t, "steps"),
+        "astra_curve": [(r["t"], r["acc"]) for r in a] if a else None,
+        "trl_curve": [(r["t"], r["acc"]) for r in t] if t else None,
+        "astra_summary": astra.get("summary") if astra else None,
         "load_before": load_before, "load_after": _load(),
     }
 
@@ -354,6 +363,8 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, key in (("astralight", "astra_curve"), ("TRL GRPOTrainer", "trl_curve")):
+        if not result[key]:  # an arm not run
+            continue
         xs, ys = zip(*result[key])
         ax.plot(xs, ys, marker="o", label=name)
     ax.set_xlabel("wall time from the arm's start (s)")
@@ -378,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    arms = set(args.arms.split(","))
+    if not arms or arms - {"astra", "trl"}:
+        ap.error(f"--arms: a comma-separated list of astra and trl, got {args.arms!r}")
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     init = out / "init"
@@ -387,16 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     load_before = _load()
     build_init(init)
-    arms = set(args.arms.split(","))
-    empty = {"curve": [{"point": i, "t": t, "samples": 0, "steps": 0, "snapshot": None}
-                       for i, t in enumerate(points(args.budget_s, args.points))]}
-    astra = (run_astra(out, init, args.budget_s, args.points, args.astra_set, log)
-             if "astra" in arms else empty)
-    log(f"[bench] astra arm done; load {_load()}")
-    trl = run_trl(out, init, args.budget_s, args.points, args.trl_lr) if "trl" in arms else empty
-    log(f"[bench] trl arm done; load {_load()}")
+    astra = trl = None
+    if "astra" in arms:
+        astra = run_astra(out, init, args.budget_s, args.points, args.astra_set, log)
+        log(f"[bench] astra arm done; load {_load()}")
+    if "trl" in arms:
+        trl = run_trl(out, init, args.budget_s, args.points, args.trl_lr)
+        log(f"[bench] trl arm done; load {_load()}")
     cache: dict = {}
-    for arm in (astra, trl):
+    for arm in (a for a in (astra, trl) if a):
         for row in arm["curve"]:
             snap = row.get("snapshot")
             if snap not in cache:

@@ -99,3 +99,23 @@ def test_figures_time_astralight_to_trls_best():
     assert never["astra_wall_to_trl_best"] is None and never["ratio_wall_to_trl_best"] is None
     json.dumps(out)
     assert bench.points(600, 3) == [0, 200, 400, 600]
+
+
+def test_an_arm_not_run_has_null_figures_not_the_warm_starts():
+    alone = bench.figures(_curve([0.1, 0.5, 0.7, 0.7]), None, [1.0])
+    assert alone["astra_acc_at_budget"] == 0.7 and alone["astra_samples"] == 300
+    assert alone["warm_start_acc"] == 0.1
+    for key in ("trl_acc_at_budget", "trl_best", "trl_wall_to_trl_best", "astra_wall_to_trl_best",
+                "ratio_wall_to_trl_best", "trl_samples", "trl_steps", "trl_curve"):
+        assert alone[key] is None, key
+    trl_only = bench.figures(None, _curve([0.1, 0.3, 0.6, 0.65]), [1.0])
+    assert trl_only["trl_best"] == 0.65 and trl_only["trl_wall_to_trl_best"] == 600
+    assert trl_only["astra_acc_at_budget"] is None and trl_only["astra_curve"] is None
+    json.dumps(alone)
+
+
+def test_arms_must_name_astra_or_trl(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--arms", "astra,trll", "--out-dir", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "--arms" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
