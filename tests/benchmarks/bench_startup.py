@@ -60,6 +60,14 @@ def build_init(out: Path) -> Path:
     return out
 
 
+def fresh_run_dir(run_dir: Path, init: Path) -> Path:
+    """An empty run folder holding a copy of the prepared warm start (the launcher reuses it)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "models").mkdir(parents=True)
+    shutil.copytree(init, run_dir / "models" / "init")
+    return run_dir
+
+
 def recipe_for(versions: int, kv_bytes: int | None) -> dict:
     recipe = yaml.safe_load(TOY_RECIPE.read_text())
     recipe["stop"].update(versions=versions, final_eval_timeout_s=0)
@@ -71,10 +79,7 @@ def recipe_for(versions: int, kv_bytes: int | None) -> dict:
 
 def one_run(out: Path, init: Path, arm: str, index: int, versions: int) -> dict:
     env_changes, kv_bytes = ARMS[arm]
-    run_dir = out / f"{arm}-{index}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    (run_dir / "models").mkdir(parents=True)
-    shutil.copytree(init, run_dir / "models" / "init")
+    run_dir = fresh_run_dir(out / f"{arm}-{index}", init)
     recipe_path = out / f"{arm}-{index}.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe_for(versions, kv_bytes), sort_keys=False))
     env = {**os.environ, **env_changes}

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,11 +34,11 @@ from pathlib import Path
 
 from astralight.launch.summary import TIME_TO_ACCURACY, trainer_wait_fraction, wall_s_to_accuracy
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script: make the tests package importable
-    sys.path.insert(0, str(REPO))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make the tests package importable
+    sys.path.insert(0, str(ROOT))
 
-from tests.benchmarks.bench_startup import ROOT, _load, build_init  # noqa: E402
+from tests.benchmarks.bench_startup import _load, build_init, fresh_run_dir  # noqa: E402
 
 BEFORE = "d5045c4"
 LINKS = {"raas": "../raas", "callbacks": "../callbacks", "datamodules": "../datamodules",
@@ -60,10 +59,7 @@ def before_tree(out: Path, rev: str) -> Path:
 
 
 def one_run(out: Path, init: Path, arm: str, index: int, tree: Path | None) -> dict:
-    run_dir = out / f"{arm}-{index}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    (run_dir / "models").mkdir(parents=True)
-    shutil.copytree(init, run_dir / "models" / "init")
+    run_dir = fresh_run_dir(out / f"{arm}-{index}", init)
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
