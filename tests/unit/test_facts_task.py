@@ -65,6 +65,8 @@ def test_the_warm_start_needs_a_seen_fact_and_declares_its_vocabulary(tmp_path):
 
 
 def test_the_bench_recipe_is_the_toy_with_the_task_swapped_in_and_loads(tmp_path):
+    toy_lr = yaml.safe_load(bench.TOY_RECIPE.read_text())["trainers"][0]["model"]["init_args"]["lr"]
+    assert toy_lr != 1e-3  # so that the override below shows
     recipe = bench.astra_recipe(600, 8765, ["trainers.0.model.init_args.lr=1e-3",
                                              "dataflow.group_size=16"])
     validate_recipe(recipe)
@@ -76,7 +78,7 @@ def test_the_bench_recipe_is_the_toy_with_the_task_swapped_in_and_loads(tmp_path
     assert recipe["stop"]["max_wall_s"] == 600 and recipe["port"] == 8765
     assert recipe["trainers"][0]["model"]["init_args"]["lr"] == 1e-3
     assert recipe["dataflow"]["group_size"] == 16
-    assert toy["trainers"][0]["model"]["init_args"]["lr"] == 5e-4  # the toy's file untouched
+    assert toy["trainers"][0]["model"]["init_args"]["lr"] == toy_lr  # the toy's file untouched
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     loaded = load_recipe(path)
