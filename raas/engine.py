@@ -93,8 +93,10 @@ class BatchedEngine(EngineBase):
                 q = self.__dict__.get("_jobs")
                 if q is None:
                     q = self.__dict__["_jobs"] = queue.SimpleQueue()
-                    threading.Thread(target=self._work, args=(q,), daemon=True,
-                                     name=f"{type(self).__name__}-worker").start()
+                    worker = threading.Thread(target=self._work, args=(q,), daemon=True,
+                                              name=f"{type(self).__name__}-worker")
+                    self.__dict__["_worker"] = worker
+                    worker.start()
         return q
 
     def submit(self, prompt_token_ids: list[int], params: SamplingSpec) -> Future:
@@ -158,9 +160,18 @@ class BatchedEngine(EngineBase):
                 j.future.set_result(c)
 
     def close(self) -> None:
+        """Stop the worker after what was submitted before, and wait for it (up to
+        ``CLOSE_JOIN_S``). Why wait: a daemon thread still inside the model when the
+        interpreter finalizes is killed there, and killed inside torch it aborts the process."""
         q = self.__dict__.pop("_jobs", None)
+        worker = self.__dict__.pop("_worker", None)
         if q is not None:
             q.put(None)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=CLOSE_JOIN_S)
 
 
 _WORKER_START = threading.Lock()
+
+#: seconds :meth:`BatchedEngine.close` waits for the batch the worker is computing
+CLOSE_JOIN_S = 30.0

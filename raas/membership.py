@@ -87,6 +87,9 @@ class Membership:
         self._hard_stop = threading.Event()
         self._hard_stop_done = threading.Event()
         self._drain_timer: threading.Timer | None = None
+        self._drain_watch: threading.Thread | None = None
+        self._drain_watch_stop = threading.Event()
+        self._signal_thread: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
         self._left = False
 
@@ -308,8 +311,9 @@ class Membership:
             self._on_stop_request(n, "stop request")
         else:
             name = signal.Signals(signum).name
-            threading.Thread(target=self._on_stop_request, args=(n, name), daemon=True,
-                             name="raas-signal").start()
+            self._signal_thread = threading.Thread(target=self._on_stop_request, args=(n, name),
+                                                   daemon=True, name="raas-signal")
+            self._signal_thread.start()
 
     def _on_stop_request(self, n: int, name: str) -> None:
         if n > 1 or self.draining:
@@ -337,7 +341,24 @@ class Membership:
         timer.daemon = True
         self._drain_timer = timer
         timer.start()
-        threading.Thread(target=self._watch_drain, name="raas-drain-watch", daemon=True).start()
+        self._drain_watch = threading.Thread(target=self._watch_drain, name="raas-drain-watch",
+                                             daemon=True)
+        self._drain_watch.start()
+
+    def _stop_drain_threads(self) -> None:
+        """End the drain timer and the drain watch, and wait for them and for the last signal's
+        thread (seconds: the watch's probe has a 2 s timeout). Why: a thread still running when
+        the interpreter finalizes is killed wherever it stands, and one killed inside a C++
+        library aborts the process (exit -6) after a clean drain."""
+        self._drain_watch_stop.set()
+        for name in ("_signal_thread", "_drain_timer", "_drain_watch"):  # the first starts the rest
+            thread = getattr(self, name)
+            if thread is None or thread is threading.current_thread():
+                continue
+            if isinstance(thread, threading.Timer):
+                thread.cancel()
+            if thread.is_alive():
+                thread.join(timeout=5)
 
     def _watch_drain(self, interval_s: float = 1.0) -> None:
         """While a drain runs, probe the dataflow every ``interval_s`` (one attempt, short
@@ -357,7 +378,8 @@ class Membership:
                 setattr(client, name, min(getattr(client, name), cap))
         since = None
         try:
-            while not self._hard_stop.wait(interval_s) and not self._left:
+            while (not self._drain_watch_stop.wait(interval_s) and not self._hard_stop.is_set()
+                   and not self._left):
                 try:
                     client.info()
                     since = None
@@ -384,6 +406,7 @@ class Membership:
             if self._hard_stop.is_set():
                 return
             self._hard_stop.set()
+            self._drain_watch_stop.set()
             self.draining = True
         self.stop_event.set()
         self._on_stop(hard=True)

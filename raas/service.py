@@ -14,6 +14,7 @@ samples are trained on and what is stale belong to the dataflow.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -111,6 +112,7 @@ class RaaSService(Membership):
             self._drain_timer.cancel()
         if code == 0:  # (a dataflow given up on would not answer the goodbye either)
             self.leave()
+        self._stop_drain_threads()
         self.maybe_progress(force=True)
         return code
 
@@ -229,8 +231,7 @@ class RaaSService(Membership):
     def close(self) -> None:
         self.stop_event.set()
         self._heartbeat_stop.set()
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
+        self._stop_drain_threads()
         for sync in self.syncs.values():
             sync.close()  # stops its thread; the shadow copy stays readable
         if self.config.held_weights_report and self.engines:
@@ -288,6 +289,9 @@ def _start(service: RaaSService) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astralight raas serve``; returns the process exit code."""
+    # a crash inside torch or vLLM (SIGSEGV, SIGABRT) prints every thread's Python stack to
+    # stderr, the component's log, instead of only the exit status
+    faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat and lease
     try:

@@ -112,7 +112,7 @@ def test_raas_serves_refreshes_weights_and_stops_cleanly(kind, tmp_path, tiny_mo
         _wait_for(lambda: "policy=v2" in text(), "progress line with v2", proc, log_path)
 
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, text()[-4000:]
         out = text()
         assert "raas stopping" in out
         lines = out.splitlines()

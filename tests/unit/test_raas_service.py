@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import signal
 import threading
 import time
 
@@ -386,6 +387,31 @@ def test_a_drain_asked_through_the_heartbeat_finishes_and_deregisters():
     assert len(flow.leased) < 60 and svc.in_flight_count() == 0
     assert flow.deregistered == [svc.instance_id]
     assert "raas left the pool" in out.getvalue() and "hard stop" not in out.getvalue()
+
+
+def test_after_a_signalled_drain_no_thread_of_the_service_outlives_close():
+    """serve() then close() wait for every thread the service started (signal handler, drain
+    timer and watch, heartbeat, engine worker, pools): a daemon thread still running when the
+    interpreter finalizes is killed where it stands, and inside torch that aborts the process."""
+    flow = FakeDataflow([_task(i) for i in range(60)])
+    flow.info = lambda: {}  # the drain watch probes the dataflow for as long as it runs
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    before = set(threading.enumerate())
+
+    def stop_asked(task_id):
+        flow.on_push = None
+        svc.request_stop(signal.SIGTERM)  # as the handler is called: the work on its own thread
+
+    flow.on_push = stop_asked
+    svc.start()
+    try:
+        assert svc.serve() == 0
+        assert "drain: SIGTERM" in out.getvalue()
+    finally:
+        svc.close()
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == []
+    assert flow.deregistered == [svc.instance_id]
 
 
 def test_drain_under_load_accounts_for_every_lease():
