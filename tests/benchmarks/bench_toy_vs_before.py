@@ -11,7 +11,9 @@ copied into each run folder (so neither arm pays the prepare step):
   engine and lock-step episodes), with the toy recipe *it* shipped, checked out as a git
   worktree under ``--out-dir``. That tree's ``raas/``, ``callbacks/``, ``datamodules/`` and
   ``examples/toy`` are linked into its ``astralight/`` and it runs with ``PYTHONPATH`` set to it,
-  because the editable install maps ``astralight.raas`` and the others to this checkout.
+  because the editable install maps ``astralight.raas`` and the others to this checkout. A
+  ``sitecustomize.py`` there asks for the AMX tile state, which the code before did not (on a CPU
+  with AMX its RaaS dies with SIGILL).
 
 Per run, from the run's own records and with today's definitions
 (:func:`astralight.launch.summary.trainer_wait_fraction` and
@@ -55,7 +57,22 @@ def before_tree(out: Path, rev: str) -> Path:
         link = tree / "astralight" / name
         if not link.exists():
             link.symlink_to(target)
+    (tree / "sitecustomize.py").write_text(AMX_SITECUSTOMIZE.format(path=ROOT / "raas"
+                                                                    / "cpu_features.py"))
     return tree
+
+
+#: the ``before`` arm's sitecustomize (its tree is on PYTHONPATH, so every process of the arm
+#: runs it): the code before asked for no AMX permission, and on a CPU with AMX its first vLLM
+#: forward pass dies with SIGILL (exit -4); this asks, with today's raas/cpu_features.py
+AMX_SITECUSTOMIZE = '''"""Written by bench_toy_vs_before.py: request the AMX tile state."""
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("_bench_cpu_features", "{path}")
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
+_mod.request_amx()
+'''
 
 
 def one_run(out: Path, init: Path, arm: str, index: int, tree: Path | None) -> dict:

@@ -1,10 +1,14 @@
 """The pure part of tests/benchmarks/bench_toy_vs_before.py: a finished run folder's figures,
-from a summary.json of either arm's shape and a real dataflow SQLite state."""
+from a summary.json of either arm's shape and a real dataflow SQLite state; the before arm's
+AMX sitecustomize."""
 
 import json
+import os
+import subprocess
+import sys
 
 from astralight.dataflow.store import Store
-from tests.benchmarks.bench_toy_vs_before import run_figures
+from tests.benchmarks.bench_toy_vs_before import AMX_SITECUSTOMIZE, ROOT, run_figures
 
 
 def test_run_figures_reads_a_summary_without_todays_fields(tmp_path):
@@ -33,3 +37,15 @@ def test_run_figures_of_a_run_that_never_reached_085(tmp_path):
     figures = run_figures(tmp_path)
     assert figures["wall_s_to_085"] is None and figures["version_085"] is None
     assert figures["trainer_wait_fraction"] is None
+
+
+def test_the_before_arms_sitecustomize_asks_for_amx_with_todays_code(tmp_path):
+    """The code before asked for no AMX permission (its RaaS died with SIGILL on an AMX CPU);
+    the sitecustomize put in its tree runs in every process of the arm and asks, through
+    today's raas/cpu_features.py."""
+    (tmp_path / "sitecustomize.py").write_text(
+        AMX_SITECUSTOMIZE.format(path=ROOT / "raas" / "cpu_features.py"))
+    out = subprocess.run([sys.executable, "-c", "import sitecustomize as s; print(s._mod._result)"],
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                         text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() in ("True", "False")  # None: request_amx was never called
