@@ -378,8 +378,7 @@ class Membership:
                 setattr(client, name, min(getattr(client, name), cap))
         since = None
         try:
-            while (not self._drain_watch_stop.wait(interval_s) and not self._hard_stop.is_set()
-                   and not self._left):
+            while not self._drain_watch_stop.wait(interval_s) and not self._left:
                 try:
                     client.info()
                     since = None

@@ -108,11 +108,9 @@ class RaaSService(Membership):
             self._hard_stop_done.wait(HARD_STOP_CALLS_S + 1)
             self.maybe_progress(force=True)
             return HARD_STOP_EXIT
-        if self._drain_timer is not None:
-            self._drain_timer.cancel()
+        self._stop_drain_threads()  # the drain is over: its timeout must not fire in the goodbye
         if code == 0:  # (a dataflow given up on would not answer the goodbye either)
             self.leave()
-        self._stop_drain_threads()
         self.maybe_progress(force=True)
         return code
 
