@@ -56,8 +56,9 @@ tokens / samples of the whole optimizer batch over all ranks / world size) and w
 :meth:`RLPolicy.loss_context` added. Return a loss normalised by ``batch["n_tokens"]`` (or
 ``batch["n_samples"]``) so micro-batch losses add up to the batch loss; metric values are
 scalars (combined over micro-batches by a token-weighted mean, ``*_loss`` summed,
-``*_max``/``*_min`` by max/min) and are logged as ``train/<name>``. The KL penalty is added by the
-base class, so every objective gets it; so are ``train/entropy`` (the policy's entropy per
+``*_max``/``*_min`` by max/min) and are logged as ``train/<name>``. The KL penalty and the
+unlikelihood of negative samples (``unlikelihood_coef``, :mod:`astralight.rl.unlikelihood`) are
+added by the base class, so every objective gets them; so are ``train/entropy`` (the policy's entropy per
 trained token, from the logits already computed) and the reward, advantage, staleness and
 throughput metrics. The optimizer and its schedule are the ``optimizer`` / ``lr_scheduler``
 arguments (``astralight fit --optimizer ... --lr_scheduler ...``), not a method to override.

@@ -31,6 +31,7 @@ from astralight.rl.entropy import masked_entropy_sum
 from astralight.rl.kl import kl_penalty
 from astralight.rl.logprobs import causal_lm_logprobs, token_logprobs
 from astralight.rl.m2po import all_reduce_sum
+from astralight.rl.unlikelihood import unlikelihood_penalty
 
 
 def _init_arg_order(cls: type) -> dict[str, int]:
@@ -76,6 +77,13 @@ class RLPolicy(pl.LightningModule):
             samples; 0 (default) adds nothing and computes the entropy as a metric only.
         temperature: sampling temperature of the behaviour policy; batches whose samples say
             otherwise are refused (their behaviour log-probs would not be comparable).
+        unlikelihood_coef: weight of the sequence unlikelihood on negative samples,
+            ``-max(0, -A) * log(1 - pi(y|x))`` per sample over the batch's ``n_samples``
+            (:mod:`astralight.rl.unlikelihood`): it pushes down a failing completion the harder
+            the surer the policy is of it, where the policy gradient's push vanishes. With the
+            dataflow's ``failed_group_advantage`` below 0 it reaches the groups in which every
+            sample failed, the ones a collapsed policy leaves without gradient. 0 (default)
+            adds nothing.
         lr, weight_decay, betas: AdamW; ``warmup_steps`` of linear warm-up, then constant.
         micro_batch_size: samples per forward/backward; ``None`` = the whole batch at once.
         minibatches: optimizer updates per pass over a batch: the batch is cut into this many
@@ -127,6 +135,7 @@ class RLPolicy(pl.LightningModule):
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         temperature: float = 1.0,
+        unlikelihood_coef: float = 0.0,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -164,6 +173,8 @@ class RLPolicy(pl.LightningModule):
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
         if entropy_coef < 0:
             raise ValueError(f"entropy_coef: must be >= 0 (a bonus on entropy), got {entropy_coef}")
+        if not unlikelihood_coef >= 0:  # also refuses NaN
+            raise ValueError(f"unlikelihood_coef: must be >= 0 (0: off), got {unlikelihood_coef}")
         optimizer = check_class_spec(optimizer, "optimizer", torch.optim.Optimizer)
         lr_scheduler = check_class_spec(lr_scheduler, "lr_scheduler",
                                         torch.optim.lr_scheduler.LRScheduler)
@@ -188,6 +199,7 @@ class RLPolicy(pl.LightningModule):
         self.kl_coef = kl_coef
         self.entropy_coef = entropy_coef
         self.temperature = temperature
+        self.unlikelihood_coef = unlikelihood_coef
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
@@ -394,13 +406,20 @@ class RLPolicy(pl.LightningModule):
     compute_loss._rl_policy_abstract = True  # checked in __init__: a subclass must override it
 
     def objective(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`compute_loss` plus the KL penalty to the reference model (if ``kl_coef > 0``)."""
+        """:meth:`compute_loss` plus the KL penalty to the reference model (if ``kl_coef > 0``)
+        and the unlikelihood of negative samples (if ``unlikelihood_coef > 0``)."""
         loss, metrics = self.compute_loss(batch, logp)
         if self.kl_coef > 0:
             kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], batch["mask"], self.kl_coef,
                                              batch["n_tokens"])
             loss = loss + kl_loss
             metrics = {**metrics, **kl_metrics}
+        if self.unlikelihood_coef > 0:
+            ul_loss, ul_metrics = unlikelihood_penalty(
+                logp, batch["mask"], batch["sample_advantages"], self.unlikelihood_coef,
+                batch["n_samples"])
+            loss = loss + ul_loss
+            metrics = {**metrics, **ul_metrics}
         return loss, metrics
 
     # ------------------------------------------------------------------ step
