@@ -40,6 +40,12 @@ snapshots plus the worker's copy of the last published state, and published vers
 increase. The worker runs at a lower CPU priority (``worker_nice``), so on a saturated CPU
 publication is delayed rather than the step slowed.
 
+Precision
+---------
+``precision="fp32"`` publishes the float32 weights exactly, each tensor as its two 16-bit halves
+under two names (:mod:`astralight.weights.exact`), through the same bf16 pipeline; receivers
+(:class:`astralight.raas.weight_sync.WeightSync`) join them before the engine sees them.
+
 Full or delta
 -------------
 A version is a **delta** (``delta.bin``: changed bf16 bit patterns, gap-encoded indices, zstd)
@@ -136,6 +142,7 @@ from torch import Tensor
 
 from astralight.dataflow.client import LazyDataflowClient
 from astralight.weights import ArtifactBuilder
+from astralight.weights.exact import PRECISIONS, split_fp32
 from astralight.weights.publish_worker import ProcessPublisher
 from astralight.weights.publisher import Publisher, PublishBuilder, ThreadPublisher
 from astralight.weights.state import (
@@ -194,6 +201,11 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
             the step; 0 shares the CPU equally.
         token: bearer token (default: env ``ASTRALIGHT_TOKEN``, read by the client).
         flush_timeout_s: how long ``fit`` end waits for the last publication.
+        precision: ``"bf16"`` (default): the weights rounded to bf16, what an engine in bf16
+            holds anyway; ``"fp32"``: the float32 weights exactly, each tensor as its two 16-bit
+            halves (:mod:`astralight.weights.exact`; twice the bytes), for a float32 engine
+            that must sample from exactly the trainer's weights: bf16 rounds away an update
+            smaller than about 2^-8 of a weight's magnitude.
 
     Runs on global rank 0 only (under FSDP every rank joins the full-state gather).
     """
@@ -210,8 +222,11 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         worker_nice: int = 19,
         token: str | None = None,
         flush_timeout_s: float = 600.0,
+        precision: str = "bf16",
     ):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: must be one of {PRECISIONS}, got {precision!r}")
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
         if full_every < 0:
@@ -231,6 +246,7 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         self.worker_nice = worker_nice
         self.token = token
         self.flush_timeout_s = flush_timeout_s
+        self.precision = precision
         self._client = None
         self._adapter_meta: dict | None = None
         self._last_enqueued_step = -1
@@ -289,10 +305,13 @@ class WeightPublisher(LazyDataflowClient, pl.Callback):
         Chosen by :func:`astralight.weights.state.publish_state`: the full state (gathered
         under sharded strategies), tied aliases and integer buffers dropped, a peft model's
         adapter tensors only (or its merged weights when the module's ``lora_publish`` is
-        ``"merged"``).
+        ``"merged"``). With ``precision="fp32"`` each tensor is split into its two 16-bit halves
+        (:func:`astralight.weights.exact.split_fp32`; copies).
         """
         model = self.hf_model(pl_module)
         state = publish_state(trainer, pl_module, model)
+        if state is not None and self.precision == "fp32":
+            state = split_fp32(state)
         inner = unwrap(model)
         if (state is not None and self._adapter_meta is None and is_peft(inner)
                 and getattr(pl_module, "lora_publish", None) != "merged"):

@@ -181,12 +181,16 @@ class RaaSService(Membership):
 
         JSON ``{model_id: {version, manifest_version, held: {name: sha256}, expected: {name:
         sha256}, mismatched: [names]}}``; ``expected`` are the checksums in the manifest of the
-        shadow copy's version (the trainer's bf16 cast). Reading back costs about one forward
+        shadow copy's version (the trainer's bf16 cast; for a float32 publication, those of the
+        bf16 cast of the joined weights, :mod:`astralight.weights.exact`). Reading back costs about one forward
         pass per hidden size; it is meant for audits and tests, not for every refresh.
         """
         import json
 
+        import torch
+
         from astralight.weights.bf16 import tensor_checksum
+        from astralight.weights.exact import is_low_half, join_fp32
 
         report = {}
         for mid, engine in (self.engines or {}).items():
@@ -199,18 +203,25 @@ class RaaSService(Membership):
             entry: dict[str, Any] = {"version": int(engine.version),
                                      "manifest_version": manifest.version if manifest else None}
             held_fn, held = getattr(engine, "held_weights", None), None
+            expected = None
+            if manifest is not None:
+                expected = {n: t["sha256"] for n, t in manifest.tensors.items()}
+                if any(is_low_half(n) for n in expected):  # float32: compare the bf16 casts
+                    expected = {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in
+                                join_fp32(sync.state.tensors()).items()}
             if held_fn is None:
                 entry["error"] = f"{type(engine).__name__} cannot report its weights"
             else:
-                shapes = {n: t["shape"] for n, t in manifest.tensors.items()} if manifest else None
+                shapes = ({n: t["shape"] for n, t in manifest.tensors.items() if not is_low_half(n)}
+                          if manifest else None)
                 try:
                     held = held_fn(shapes)
                 except Exception as exc:  # noqa: BLE001 - one engine's audit failing keeps the rest
                     entry["error"] = f"{type(exc).__name__}: {exc}"
             if held is not None:
                 entry["held"] = {n: tensor_checksum(t) for n, t in held.items()}
-                if manifest is not None:
-                    entry["expected"] = {n: t["sha256"] for n, t in manifest.tensors.items()}
+                if expected is not None:
+                    entry["expected"] = expected
                     entry["mismatched"] = sorted(n for n, sha in entry["expected"].items()
                                                  if entry["held"].get(n) != sha)
             if sync is not None:

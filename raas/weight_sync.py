@@ -37,6 +37,10 @@ version that stamps new tokens. This works across full versions too: a periodic 
 5% of the tensors pushes 5%. When what the engine holds is unknown (the initial model, or a failed
 load) everything is sent.
 
+Float32 versions. A version published with ``WeightPublisher(precision="fp32")`` holds each
+tensor as two bf16-typed halves (:mod:`astralight.weights.exact`); the shadow copy keeps them as
+published, and what goes to the engine is the joined float32 tensor under the weight's own name.
+
 LoRA adapters. A version whose manifest carries ``metadata["adapter"]`` (a policy trained with
 ``lora: {publish: adapter}``) holds adapter tensors under PEFT names, not base weights: it goes,
 whole, to the engine's ``update_adapter(tensors, version, adapter)`` (``VLLMEngine`` with
@@ -57,6 +61,7 @@ from typing import Any, Callable
 
 from astralight.protocol import WeightManifest
 from astralight.weights.artifacts import WeightState
+from astralight.weights.exact import join_fp32, weight_names, with_low_halves
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +322,8 @@ class WeightSync:
                     and time.monotonic() < self._load_retry_at):
                 return None  # this version failed to load: back off before the next try
             table = state.manifest.tensors
-            all_names = list(state.state)
+            # the engine's names: a float32 publication's lower halves travel with their weight
+            all_names = weight_names(state.state)
             adapter = (state.manifest.metadata or {}).get("adapter")  # a LoRA policy's version
             names, partial = all_names, False
             update_names = getattr(self.engine, "weight_update_names", None)
@@ -325,7 +331,9 @@ class WeightSync:
                 if self._engine_tensors == table:
                     names = []
             elif self._engine_tensors is not None and update_names is not None:
-                changed = [n for n in all_names if self._engine_tensors.get(n) != table[n]]
+                changed = [n for n in all_names
+                           if any(self._engine_tensors.get(h) != table[h]
+                                  for h in with_low_halves([n], table))]
                 names = list(update_names(changed, all_names))
                 partial = len(names) < len(all_names)
             start = time.perf_counter()
@@ -334,12 +342,13 @@ class WeightSync:
             else:
                 self._engine_tensors = None  # unknown until the load has succeeded
                 try:
+                    tensors = join_fp32(state.tensors(with_low_halves(names, state.state)))
                     if adapter is not None:
-                        self._load_adapter(state.tensors(names), version, adapter)
+                        self._load_adapter(tensors, version, adapter)
                     elif partial:
-                        self.engine.update_weights(state.tensors(names), version, partial=True)
+                        self.engine.update_weights(tensors, version, partial=True)
                     else:
-                        self.engine.update_weights(state.tensors(names), version)
+                        self.engine.update_weights(tensors, version)
                 except Exception as exc:
                     self._load_failed(version, exc)
                     raise

@@ -1,40 +1,62 @@
-"""Time-to-accuracy against TRL on a discovery task, both arms in one invocation.
+"""Learning per sample and per second against TRL's GRPO, both arms in one invocation.
 
-    python tests/benchmarks/bench_vs_trl.py --json [--budget-s 600] [--png acc.png]
+    python tests/benchmarks/bench_vs_trl.py --json --task structured --config parity --seeds 3 \
+        --budget-s 200 [--png acc.png]
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``: TRL).
 
-The task (:mod:`astralight.tasks.facts`): 200 arbitrary facts ``"f042=" -> "7"``; the tiny
-model's warm start (built once, shared by both arms) saw a quarter of them, so on the others it
-can only learn from rewarded samples at temperature 1.0. The eval set is those unseen facts.
+Tasks (``--task``), each a tiny model warm-started once (shared by both arms and every seed):
 
-Arms, one after the other, each for the same wall-clock budget counted from its start (so
-astralight's start-up -- the recipe check, three processes, the vLLM engine -- is in its
-budget, as a user waits for it):
+- ``facts`` (:mod:`astralight.tasks.facts`): 200 arbitrary facts ``"f042=" -> "7"``; the warm
+  start saw a quarter of them. Nothing carries over from one fact to another: the unseen ones
+  can only be found by sampling and being rewarded.
+- ``structured`` (:mod:`astralight.tasks.cipher`): 4,096 three-letter words enciphered letter by
+  letter, ``"bdj=" -> "418"``; the warm start saw half of the words made of 8 of the 16 letters.
+  Every answer follows the one cipher, so what is learnt on one word helps every word that
+  shares a letter with it.
+
+The eval set is the unseen keys (words); avg@4 exact match at temperature 1.0
+(:func:`astralight.tasks.warmstart.sample_completions`, one seed), the same code for both arms.
+
+Arms, per seed one after the other (astralight, then TRL), each for the same wall-clock budget
+counted from its start (so astralight's start-up -- the recipe check, three processes, the vLLM
+engine -- is in its budget, as a user waits for it):
 
 - ``astra``: ``astralight run`` on the toy recipe (examples/toy/recipe.yaml) with the task
-  swapped in, stopped by ``stop.max_wall_s``; ``--astra-set KEY=VALUE`` changes any recipe key
-  (dotted path, list items by index, e.g. ``trainers.0.model.init_args.lr=1e-3``). A watcher
-  reads the latest published weights from the run's dataflow at every eval point.
+  swapped in and the ``--config``'s keys set, stopped by ``stop.max_wall_s``; ``--astra-set
+  KEY=VALUE`` changes any recipe key after that (dotted path, list items by index, e.g.
+  ``trainers.0.model.init_args.lr=1e-3``). A watcher reads the latest published weights from
+  the run's dataflow at every eval point.
 - ``trl``: TRL's ``GRPOTrainer`` in one process (transformers generation on CPU), 8 samples per
-  prompt, 64 completions per step, beta 0, learning rate ``--trl-lr``; a callback keeps the
-  weights at every eval point and stops at the budget.
+  prompt, 64 completions per step, beta 0, learning rate ``--trl-lr``, TRL's defaults otherwise
+  (``loss_type="dapo"``: token mean over the batch; ``scale_rewards="group"``; one update per
+  generation batch; max grad norm 1.0); a callback keeps the weights at every eval point and
+  stops at the budget.
 
-Both arms' weights are kept in bf16 (what astralight publishes) at ``--points`` evenly spaced
-wall times, and evaluated afterwards by the same code: avg@4 exact match at temperature 1.0
-over the unseen facts (:func:`astralight.tasks.warmstart.sample_completions`, one seed).
+``--config``: ``defaults`` (the toy recipe's training settings) or ``parity`` (astralight set up
+as TRL's GRPO by recipe keys alone, :data:`CONFIGS`: on-policy, one PPO-clip update per 64
+samples, TRL's learning rate, a float32 engine fed the exact float32 weights).
 
-Prints one JSON object: ``astra_acc_at_budget``, ``trl_acc_at_budget``, ``trl_best``,
-``astra_wall_to_trl_best`` (first eval point where astralight reached TRL's best; null if
-never), ``trl_wall_to_trl_best``, ``ratio_wall_to_trl_best`` (astra / trl), samples and
-optimizer steps of each arm at the budget, both curves, and the machine's load. An arm left out
-with ``--arms`` has null figures and curve.
+Both arms' weights are kept in bf16 at ``--points`` evenly spaced wall times and evaluated
+afterwards. Accuracy is reported against wall time and against samples trained: each seed's
+curve is interpolated (linearly in samples) at ``samples_points``, evenly spaced up to the
+fewest samples any run reached.
+
+Prints one JSON object (last line): ``samples_points``; ``astra_acc`` / ``trl_acc`` (one list per
+seed, aligned with ``samples_points``); ``parity_met`` (the mean of astralight's seeds at least
+the lowest TRL seed at every point); ``astra_acc_at_budget`` / ``trl_acc_at_budget`` (means over
+seeds); ``trl_wall_s`` and ``astra_wall_to_trl_final`` (first eval time at which astralight's
+mean reached TRL's mean accuracy at the budget; null if never); ``trl_best``,
+``astra_wall_to_trl_best``, ``ratio_wall_to_trl_best``; per seed each arm's samples, steps and
+wall curve; astralight's run summaries; the machine's load. An arm left out with ``--arms`` has
+null figures and curves.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -48,9 +70,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TOY_RECIPE = ROOT / "examples" / "toy" / "recipe.yaml"
 MODEL_ID = "policy"
-#: the task: the FactTable / FactSource arguments (both arms and the warm start)
-TABLE = {"num_keys": 200, "seen_share": 0.25, "answer_len": 1, "seed": 0}
-WARM_START = {"sft_steps": 300, "label_smoothing": 0.2, "num_threads": 1}
+#: the tasks: prompt source, warm-start function, the table's arguments (the source's and the
+#: warm start's), the warm start's training, the answer's most tokens (EOS included)
+TASKS = {
+    "facts": {"source": "astralight.tasks.facts.FactSource",
+              "prepare": "astralight.tasks.facts.build_facts_policy",
+              "table": {"num_keys": 200, "seen_share": 0.25, "answer_len": 1, "seed": 0},
+              "warm_start": {"sft_steps": 300, "label_smoothing": 0.2, "num_threads": 1},
+              "max_tokens": 4},
+    "structured": {"source": "astralight.tasks.cipher.CipherSource",
+                   "prepare": "astralight.tasks.cipher.build_cipher_policy",
+                   "table": {"word_len": 3, "known_letters": 8, "seen_share": 0.5, "seed": 0},
+                   "warm_start": {"sft_steps": 300, "label_smoothing": 0.2, "num_threads": 1},
+                   "max_tokens": 4},
+}
+#: TRL's completions per optimizer step and per prompt (GRPOConfig below)
+TRL_BATCH, TRL_GROUP = 64, 8
+#: recipe keys per ``--config`` (``{lr}`` is ``--trl-lr``, ``{max_tokens}`` the task's)
+CONFIGS = {
+    "defaults": [],
+    "parity": [
+        "dataflow.max_staleness=0",                          # on-policy, as TRL
+        f"dataflow.group_size={TRL_GROUP}",
+        f"trainers.0.data.init_args.batch_size={TRL_BATCH}",  # one update per 64 samples,
+        "trainers.0.model.init_args.minibatches=1",           # each sample used once
+        "trainers.0.model.init_args.batch_passes=1",
+        "trainers.0.model.init_args.loss=ppo_clip",           # TRL's clipped surrogate, eps 0.2
+        "trainers.0.model.init_args.clip_eps=0.2",
+        "trainers.0.model.init_args.lr={lr}",
+        "trainers.0.model.init_args.grad_clip=1.0",           # TRL's max_grad_norm
+        "trainers.0.model.init_args.weight_decay=0.0",
+        "raas.0.engines.policy.dtype=float32",                # sample from the exact weights
+        "trainers.0.trainer.callbacks.0.init_args.precision=fp32",
+        "raas.0.workflow.init_args.sampling.max_tokens={max_tokens}",  # TRL's max length
+    ],
+}
 #: seconds the launcher gets to stop by itself after the budget, then after a SIGINT
 STOP_GRACE_S = 180
 #: what the astralight arm's summary.json adds to the result (where its time went)
@@ -84,25 +138,28 @@ def save_bf16(state: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------- the task
 
 
-def build_init(out: Path) -> Path:
-    from astralight.tasks.facts import build_facts_policy
+def _class(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
+
+def build_init(out: Path, task: str) -> Path:
+    spec = TASKS[task]
     if not (out / "config.json").exists():
-        build_facts_policy(out, progress=False, **TABLE, **WARM_START)
+        _class(spec["prepare"])(out, progress=False, **spec["table"], **spec["warm_start"])
     return out
 
 
-def evaluate(init: Path, snapshot: Path | None, k: int = 4, seed: int = 0) -> float:
-    """avg@k exact match at temperature 1.0 over the unseen facts, with ``snapshot``'s weights
-    (the warm start's when None)."""
+def evaluate(init: Path, snapshot: Path | None, task: str, k: int = 4, seed: int = 0) -> float:
+    """avg@k exact match at temperature 1.0 over the task's eval split (the unseen keys), with
+    ``snapshot``'s weights (the warm start's when None)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from astralight.tasks.facts import FactSource
     from astralight.tasks.warmstart import sample_completions
 
-    model = AutoModelForCausalLM.from_pretrained(str(init), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     if snapshot is not None:
         state = {n: t.float() for n, t in load_file(str(snapshot)).items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -111,11 +168,12 @@ def evaluate(init: Path, snapshot: Path | None, k: int = 4, seed: int = 0) -> fl
             raise RuntimeError(f"{snapshot}: missing {missing}, unexpected {unexpected}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(init))
-    src = FactSource("eval", **TABLE)
+    spec = TASKS[task]
+    src = _class(spec["source"])("eval", **spec["table"])
     prompts = [src.get(i) for i in range(len(src)) for _ in range(k)]
     with torch.no_grad():
         texts, _ = sample_completions(model, tokenizer, [p.prompt for p in prompts],
-                                      max_new_tokens=4, temperature=1.0,
+                                      max_new_tokens=spec["max_tokens"], temperature=1.0,
                                       generator=torch.Generator().manual_seed(seed))
     return sum(t.strip() == p.metadata["answer"] for t, p in zip(texts, prompts)) / len(prompts)
 
@@ -144,23 +202,35 @@ def set_key(recipe: dict, dotted: str, value: str) -> None:
         node[last] = parsed
 
 
-def astra_recipe(budget_s: float, port: int, overrides: list[str]) -> dict:
-    """The toy recipe with the facts task swapped in and a wall-clock stop."""
+def config_keys(config: str, task: str, trl_lr: float) -> list[str]:
+    """The recipe keys of ``--config`` for ``task`` (placeholders filled)."""
+    return [k.format(lr=trl_lr, max_tokens=TASKS[task]["max_tokens"]) for k in CONFIGS[config]]
+
+
+def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "facts",
+                 seed: int = 0) -> dict:
+    """The toy recipe with ``task`` swapped in, seeded with ``seed``, a wall-clock stop, then
+    ``overrides`` (``KEY=VALUE``) set in order."""
     import yaml
 
+    spec = TASKS[task]
     recipe = copy.deepcopy(yaml.safe_load(TOY_RECIPE.read_text()))
     recipe["name"] = "vs-trl"
     recipe["port"] = port
-    recipe["prepare"] = {"function": "astralight.tasks.facts.build_facts_policy",
-                         "kwargs": {**TABLE, **WARM_START}}
-    source = "astralight.tasks.facts.FactSource"
-    recipe["dataflow"]["source"] = {"class_path": source, "init_args": {"split": "train", **TABLE}}
-    recipe["dataflow"]["eval"]["source"] = {"class_path": source,
-                                            "init_args": {"split": "eval", **TABLE}}
+    recipe["seed"] = seed
+    recipe["prepare"] = {"function": spec["prepare"],
+                         "kwargs": {**spec["table"], **spec["warm_start"]}}
+    recipe["dataflow"]["source"] = {"class_path": spec["source"],
+                                    "init_args": {"split": "train", **spec["table"]}}
+    recipe["dataflow"]["eval"]["source"] = {"class_path": spec["source"],
+                                            "init_args": {"split": "eval", **spec["table"]}}
     recipe["stop"] = {"model_id": MODEL_ID, "max_wall_s": budget_s,
                       "timeout_s": budget_s + 600, "final_eval_timeout_s": 0,
                       "progress_every_s": 30}
     recipe["trainers"][0]["trainer"]["max_steps"] = 10**6
+    recipe["trainers"][0]["seed_everything"] = seed
+    for raas in recipe["raas"]:
+        raas["seed"] = seed
     for item in overrides:
         key, _, value = item.partition("=")
         set_key(recipe, key, value)
@@ -175,11 +245,12 @@ class _NoEngine:
 
 
 def run_astra(out: Path, init: Path, budget_s: float, n_points: int, overrides: list[str],
-              log=print) -> dict:
+              log=print, task: str = "facts", seed: int = 0) -> dict:
     import yaml
 
     from astralight.dataflow.client import DataflowClient
     from astralight.raas.weight_sync import WeightSync
+    from astralight.weights.exact import join_fp32
 
     run_dir = out / "astra_run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -187,7 +258,12 @@ def run_astra(out: Path, init: Path, budget_s: float, n_points: int, overrides: 
     shutil.copytree(init, run_dir / "models" / "init")  # the shared warm start, reused
     port = _free_port()
     recipe_path = out / "astra_recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(astra_recipe(budget_s, port, overrides), sort_keys=False))
+    recipe = astra_recipe(budget_s, port, overrides, task, seed)
+    publisher = next(c for c in recipe["trainers"][0]["trainer"]["callbacks"]
+                     if c["class_path"].endswith("WeightPublisher"))
+    samples_per_version = (int(recipe["trainers"][0]["data"]["init_args"]["batch_size"])
+                           * int(publisher.get("init_args", {}).get("every_n_steps", 1)))
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     snaps = out / "astra_snaps"
     shutil.rmtree(snaps, ignore_errors=True)
     snaps.mkdir()
@@ -212,16 +288,20 @@ def run_astra(out: Path, init: Path, budget_s: float, n_points: int, overrides: 
             try:
                 sync.check(client)
                 stats = client.stats()["models"][MODEL_ID]
-                row.update(samples=int(stats.get("samples_trained", 0)),
+                row.update(samples_reported=int(stats.get("samples_trained", 0)),
                            steps=int(stats.get("current_version", 0)))
             except Exception as exc:  # noqa: BLE001 - not up yet: the warm start stands
                 row["error"] = f"{type(exc).__name__}: {exc}"
             if sync.state.version is not None:
                 path = snaps / f"{i:03d}.safetensors"
-                save_bf16(sync.state.tensors(), path)
-                row.update(version=sync.state.version, snapshot=str(path))
+                save_bf16(join_fp32(sync.state.tensors()), path)
+                # the samples that trained the snapshot's weights (the dataflow's count runs
+                # ahead of them while the next version is trained or published)
+                row.update(version=sync.state.version, snapshot=str(path),
+                           samples=sync.state.version * samples_per_version)
             curve.append(row)
-            log(f"[astra] t={at:.0f}s version {row['version']} samples {row['samples']}")
+            log(f"[astra seed {seed}] t={at:.0f}s version {row['version']} "
+                f"samples {row['samples']}")
         try:  # its own stop (stop.max_wall_s) writes summary.json
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -249,21 +329,23 @@ def run_astra(out: Path, init: Path, budget_s: float, n_points: int, overrides: 
 
 
 def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
-               seed: int = 0) -> None:
+               task: str = "facts", seed: int = 0, sample_points: list[int] = ()) -> None:
     """The TRL arm, in a process of its own: trains until the budget, keeping the weights at
-    every eval point; writes ``trl_curve.json``."""
+    every eval point (wall time) and at the first step that reaches each of ``sample_points``
+    (samples trained: astralight's, so both arms are evaluated at the same counts); writes
+    ``trl_curve.json`` (``{"curve": [...], "sample_curve": [...]}``)."""
     t0 = time.monotonic()
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from astralight.tasks.facts import FactTable
-
-    table = FactTable(**TABLE)
-    rows = [{"prompt": table.prompt(k).prompt, "answer": table.answers[k]}
-            for k in range(table.num_keys)]
-    dataset = Dataset.from_list(rows * 50)  # epochs enough for any budget (the callback stops)
+    spec = TASKS[task]
+    table = _class(spec["source"])("train", **spec["table"]).table
+    prompts = [table.prompt(k) for k in range(table.num_keys)]
+    rows = [{"prompt": p.prompt, "answer": p.metadata["answer"]} for p in prompts]
+    # 200k prompts (1.6M completions): epochs enough for any budget (the callback stops)
+    dataset = Dataset.from_list(rows * max(1, 200_000 // len(rows)))
 
     def exact(completions, answer, **_):
         return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
@@ -272,20 +354,31 @@ def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
     shutil.rmtree(snaps, ignore_errors=True)
     snaps.mkdir()
     times = points(budget_s, n_points)
+    milestones = sorted(set(int(s) for s in sample_points))
     curve: list[dict] = []
+    sample_curve: list[dict] = []
 
     class WallClock(TrainerCallback):
         def __init__(self):
             self.next = 0
+            self.next_sample = 0
 
         def _keep(self, state, model) -> None:
+            samples = state.global_step * TRL_BATCH
+            while self.next_sample < len(milestones) and samples >= milestones[self.next_sample]:
+                path = snaps / f"s{self.next_sample:03d}.safetensors"
+                save_bf16(model.state_dict(), path)
+                sample_curve.append({"t": None, "at_s": round(time.monotonic() - t0, 2),
+                                     "steps": state.global_step, "samples": samples,
+                                     "snapshot": str(path)})
+                self.next_sample += 1
             while self.next < len(times) and time.monotonic() - t0 >= times[self.next]:
                 path = snaps / f"{self.next:03d}.safetensors"
                 save_bf16(model.state_dict(), path)
                 curve.append({"point": self.next, "t": times[self.next],
                               "at_s": round(time.monotonic() - t0, 2),
                               "steps": state.global_step,
-                              "samples": state.global_step * 64, "snapshot": str(path)})
+                              "samples": samples, "snapshot": str(path)})
                 self.next += 1
 
         def on_step_end(self, args, state, control, model=None, **_):
@@ -300,25 +393,31 @@ def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
     model = AutoModelForCausalLM.from_pretrained(str(init), torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     config = GRPOConfig(
-        output_dir=str(out / "trl_out"), learning_rate=lr, per_device_train_batch_size=64,
-        num_generations=8, beta=0.0, temperature=1.0, max_completion_length=4,
+        output_dir=str(out / "trl_out"), learning_rate=lr, per_device_train_batch_size=TRL_BATCH,
+        num_generations=TRL_GROUP, beta=0.0, temperature=1.0,
+        max_completion_length=spec["max_tokens"],
         max_steps=10**6, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
         bf16=False, seed=seed, dataloader_num_workers=0, disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[exact], args=config,
                           train_dataset=dataset, processing_class=tokenizer,
                           callbacks=[WallClock()])
     trainer.train()
-    (out / "trl_curve.json").write_text(json.dumps(curve))
+    (out / "trl_curve.json").write_text(json.dumps({"curve": curve,
+                                                    "sample_curve": sample_curve}))
 
 
-def run_trl(out: Path, init: Path, budget_s: float, n_points: int, lr: float) -> dict:
+def run_trl(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
+            task: str = "facts", seed: int = 0, sample_points: list[int] = ()) -> dict:
     with open(out / "trl.log", "w") as log_file:
         code = subprocess.call([sys.executable, __file__, "--trl-worker", "--out-dir", str(out),
-                                "--budget-s", str(budget_s), "--points", str(n_points),
-                                "--trl-lr", str(lr)], stdout=log_file, stderr=subprocess.STDOUT)
+                                "--init", str(init), "--budget-s", str(budget_s),
+                                "--points", str(n_points), "--trl-lr", str(lr), "--task", task,
+                                "--trl-seed", str(seed),
+                                "--sample-points", ",".join(str(int(s)) for s in sample_points)],
+                               stdout=log_file, stderr=subprocess.STDOUT)
     if code != 0:
         raise RuntimeError(f"the TRL arm exited {code}; see {out}/trl.log")
-    return {"curve": json.loads((out / "trl_curve.json").read_text())}
+    return json.loads((out / "trl_curve.json").read_text())
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -328,21 +427,82 @@ def first_at(curve: list[dict], level: float) -> float | None:
     return next((r["t"] for r in curve if r["acc"] >= level), None)
 
 
-def figures(astra: dict | None, trl: dict | None, load_before: list[float]) -> dict:
-    """The printed figures; an arm that was not run (``None``, ``--arms``) has null figures
-    and no curve, not the warm start's."""
-    a = astra["curve"] if astra else None
-    t = trl["curve"] if trl else None
+def acc_at_samples(curve: list[dict], samples: float) -> float:
+    """The curve's accuracy at ``samples`` samples trained, linear between its eval points
+    (samples never decrease along a curve; past its last point, its last accuracy)."""
+    prev = None
+    for row in curve:
+        if row["samples"] >= samples:
+            if prev is None or row["samples"] == prev["samples"]:
+                return row["acc"]
+            w = (samples - prev["samples"]) / (row["samples"] - prev["samples"])
+            return prev["acc"] + w * (row["acc"] - prev["acc"])
+        prev = row
+    return curve[-1]["acc"]
+
+
+def by_samples(run: dict) -> list[dict]:
+    """A run's evaluated rows, wall-time points and sample milestones, in order of samples."""
+    return sorted(run["curve"] + run.get("sample_curve", []), key=lambda r: r["samples"])
+
+
+def samples_points(runs: list[list[dict]], n: int) -> list[int]:
+    """``n + 1`` sample counts from 0 to the fewest samples any run reached."""
+    top = min(run[-1]["samples"] for run in runs)
+    return [int(round(top * i / n)) for i in range(n + 1)]
+
+
+def mean_curve(runs: list[list[dict]]) -> list[dict]:
+    """Per eval point (time), the mean accuracy over seeds and the mean samples."""
+    return [{"t": rows[0]["t"], "acc": sum(r["acc"] for r in rows) / len(rows),
+             "samples": sum(r["samples"] for r in rows) / len(rows),
+             "steps": sum(r["steps"] for r in rows) / len(rows)}
+            for rows in zip(*runs)]
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def figures(astra: list[dict] | None, trl: list[dict] | None, load_before: list[float],
+            n_samples_points: int = 10) -> dict:
+    """The printed figures from each arm's runs (one per seed; ``None`` for an arm not run,
+    ``--arms``: its figures are null, not the warm start's)."""
+    a_runs = [r["curve"] for r in astra] if astra else None
+    t_runs = [r["curve"] for r in trl] if trl else None
+    a = mean_curve(a_runs) if a_runs else None
+    t = mean_curve(t_runs) if t_runs else None
+    a_samples = [by_samples(r) for r in astra] if astra else None
+    t_samples = [by_samples(r) for r in trl] if trl else None
     trl_best = max(r["acc"] for r in t) if t else None
-    astra_to = first_at(a, trl_best) if a and t else None
-    trl_to = first_at(t, trl_best) if t else None
+    trl_final = t[-1]["acc"] if t else None
 
     def last(curve, key):
         return curve[-1][key] if curve else None
 
+    points = samples_points([*(a_samples or []), *(t_samples or [])], n_samples_points) \
+        if (a_runs or t_runs) else None
+
+    def at_points(runs):
+        return [[round(acc_at_samples(c, s), 4) for s in points] for c in runs] if runs else None
+
+    astra_acc, trl_acc = at_points(a_samples), at_points(t_samples)
+    parity = None
+    if astra_acc and trl_acc:
+        parity = all(_mean([run[i] for run in astra_acc]) >= min(run[i] for run in trl_acc)
+                     for i in range(len(points)))
+    astra_to = first_at(a, trl_best) if a and t else None
+    trl_to = first_at(t, trl_best) if t else None
     return {
-        "astra_acc_at_budget": last(a, "acc"), "trl_acc_at_budget": last(t, "acc"),
-        "warm_start_acc": (a or t)[0]["acc"] if (a or t) else None, "trl_best": trl_best,
+        "samples_points": points, "astra_acc": astra_acc, "trl_acc": trl_acc,
+        "parity_met": parity,
+        "astra_acc_at_budget": last(a, "acc"), "trl_acc_at_budget": trl_final,
+        "astra_acc_at_budget_seeds": [c[-1]["acc"] for c in a_runs] if a_runs else None,
+        "trl_acc_at_budget_seeds": [c[-1]["acc"] for c in t_runs] if t_runs else None,
+        "warm_start_acc": (a or t)[0]["acc"] if (a or t) else None,
+        "trl_wall_s": last(t, "t"),
+        "astra_wall_to_trl_final": first_at(a, trl_final) if a and t else None,
+        "trl_best": trl_best,
         "astra_wall_to_trl_best": astra_to, "trl_wall_to_trl_best": trl_to,
         "ratio_wall_to_trl_best": (round(astra_to / trl_to, 3)
                                    if astra_to is not None and trl_to else None),
@@ -350,28 +510,48 @@ def figures(astra: dict | None, trl: dict | None, load_before: list[float]) -> d
         "trl_samples": last(t, "samples"), "trl_steps": last(t, "steps"),
         "astra_curve": [(r["t"], r["acc"]) for r in a] if a else None,
         "trl_curve": [(r["t"], r["acc"]) for r in t] if t else None,
-        "astra_summary": astra.get("summary") if astra else None,
+        "astra_runs": [{"seed": r.get("seed"), "curve": [(c["t"], c["samples"], c["acc"])
+                                                         for c in by_samples(r)],
+                        "summary": r.get("summary")} for r in astra] if astra else None,
+        "trl_runs": [{"seed": r.get("seed"), "curve": [(c["t"], c["samples"], c["acc"])
+                                                       for c in by_samples(r)]}
+                     for r in trl] if trl else None,
+        "astra_summary": astra[0].get("summary") if astra else None,
         "load_before": load_before, "load_after": _load(),
     }
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path, task: str = "facts") -> None:
+    """Accuracy against samples trained (left) and against wall time (right); each seed thin,
+    the mean over seeds thick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, key in (("astralight", "astra_curve"), ("TRL GRPOTrainer", "trl_curve")):
-        if not result[key]:  # an arm not run
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, key, color in (("astralight", "astra", "C0"), ("TRL GRPOTrainer", "trl", "C1")):
+        runs = result[f"{key}_runs"]
+        if not runs:  # an arm not run
             continue
-        xs, ys = zip(*result[key])
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xlabel("wall time from the arm's start (s)")
-    ax.set_ylabel("avg@4 on the unseen facts")
-    ax.set_title("discovery task: time to accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        for run in runs:
+            _, ss, accs = zip(*run["curve"])
+            by_samples.plot(ss, accs, color=color, alpha=0.35, lw=1)
+            timed = [(t, acc) for t, _, acc in run["curve"] if t is not None]
+            by_time.plot(*zip(*sorted(timed)), color=color, alpha=0.35, lw=1)
+        per_seed = result[f"{key}_acc"]
+        means = [sum(col) / len(col) for col in zip(*per_seed)]
+        by_samples.plot(result["samples_points"], means, color=color, lw=2.5, marker="o",
+                        label=f"{name} (mean of {len(runs)})")
+        xs, ys = zip(*result[f"{key}_curve"])
+        by_time.plot(xs, ys, color=color, lw=2.5, marker="o", label=f"{name} (mean of {len(runs)})")
+    by_samples.set_xlabel("samples trained")
+    by_time.set_xlabel("wall time from the arm's start (s)")
+    for ax in (by_samples, by_time):
+        ax.set_ylabel("avg@4 on the unseen keys")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{task} task: accuracy per sample and per second")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -379,45 +559,70 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=sorted(TASKS), default="facts")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="defaults",
+                    help="astralight's recipe keys: the toy's defaults, or TRL's GRPO (parity)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per arm (0..N-1)")
     ap.add_argument("--budget-s", type=float, default=600.0)
     ap.add_argument("--points", type=int, default=10, help="eval points after the start")
     ap.add_argument("--trl-lr", type=float, default=3e-4)
-    ap.add_argument("--astra-set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--astra-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe key set after --config's (repeatable)")
     ap.add_argument("--arms", default="astra,trl", help="which arms to run (astra,trl)")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/bench_vs_trl"))
     ap.add_argument("--png", type=Path, default=None, help="default: OUT_DIR/accuracy.png")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trl-seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--init", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sample-points", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     arms = set(args.arms.split(","))
     if not arms or arms - {"astra", "trl"}:
         ap.error(f"--arms: a comma-separated list of astra and trl, got {args.arms!r}")
+    if args.seeds < 1:
+        ap.error(f"--seeds: at least 1, got {args.seeds}")
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s: must be > 0, got {args.budget_s}")
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    init = out / "init"
     if args.trl_worker:
-        trl_worker(out, init, args.budget_s, args.points, args.trl_lr)
+        trl_worker(out, args.init, args.budget_s, args.points, args.trl_lr, args.task,
+                   args.trl_seed, [int(x) for x in args.sample_points.split(",") if x])
         return 0
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     load_before = _load()
-    build_init(init)
-    astra = trl = None
-    if "astra" in arms:
-        astra = run_astra(out, init, args.budget_s, args.points, args.astra_set, log)
-        log(f"[bench] astra arm done; load {_load()}")
-    if "trl" in arms:
-        trl = run_trl(out, init, args.budget_s, args.points, args.trl_lr)
-        log(f"[bench] trl arm done; load {_load()}")
+    init = build_init(out / f"init_{args.task}", args.task)
+    overrides = config_keys(args.config, args.task, args.trl_lr) + args.astra_set
+    astra: list[dict] | None = [] if "astra" in arms else None
+    trl: list[dict] | None = [] if "trl" in arms else None
+    for seed in range(args.seeds):  # the arms interleaved, so load drifts touch both alike
+        seed_out = out / f"seed{seed}"
+        seed_out.mkdir(exist_ok=True)
+        if astra is not None:
+            run = run_astra(seed_out, init, args.budget_s, args.points, overrides, log,
+                            args.task, seed)
+            astra.append({**run, "seed": seed})
+            log(f"[bench] astra seed {seed} done; load {_load()}")
+        if trl is not None:
+            # TRL's weights are kept at astralight's sample counts too (same seed's run)
+            at = [r["samples"] for r in astra[-1]["curve"] if r["samples"]] if astra else []
+            run = run_trl(seed_out, init, args.budget_s, args.points, args.trl_lr, args.task,
+                          seed, at)
+            trl.append({**run, "seed": seed})
+            log(f"[bench] trl seed {seed} done; load {_load()}")
     cache: dict = {}
     for arm in (a for a in (astra, trl) if a):
-        for row in arm["curve"]:
-            snap = row.get("snapshot")
-            if snap not in cache:
-                cache[snap] = evaluate(init, Path(snap) if snap else None)
-            row["acc"] = cache[snap]
-    result = {"bench": "vs_trl", "budget_s": args.budget_s, "trl_lr": args.trl_lr,
-              "astra_set": args.astra_set, **figures(astra, trl, load_before)}
-    plot(result, args.png or out / "accuracy.png")
+        for run in arm:
+            for row in run["curve"] + run.get("sample_curve", []):
+                snap = row.get("snapshot")
+                if snap not in cache:
+                    cache[snap] = evaluate(init, Path(snap) if snap else None, args.task)
+                row["acc"] = cache[snap]
+    result = {"bench": "vs_trl", "task": args.task, "config": args.config, "seeds": args.seeds,
+              "budget_s": args.budget_s, "trl_lr": args.trl_lr, "astra_set": overrides,
+              **figures(astra, trl, load_before)}
+    plot(result, args.png or out / "accuracy.png", args.task)
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return 0

@@ -1,0 +1,144 @@
+"""The pure parts of tests/benchmarks/bench_vs_trl.py: its recipes (per task and config), its
+figures per sample and per second, its arguments. The bench's runs need the whole system and
+TRL, and are run by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from astralight.launch.recipe import load_recipe
+from astralight.launch.recipe_schema import validate_recipe
+from tests.benchmarks import bench_vs_trl as bench
+
+
+def test_the_bench_recipe_is_the_toy_with_the_task_swapped_in_and_loads(tmp_path):
+    toy_lr = yaml.safe_load(bench.TOY_RECIPE.read_text())["trainers"][0]["model"]["init_args"]["lr"]
+    assert toy_lr != 1e-3  # so that the override below shows
+    recipe = bench.astra_recipe(600, 8765, ["trainers.0.model.init_args.lr=1e-3",
+                                             "dataflow.group_size=16"])
+    validate_recipe(recipe)
+    toy = yaml.safe_load(bench.TOY_RECIPE.read_text())
+    assert recipe["raas"] == toy["raas"] and recipe["cpu_affinity"] == toy["cpu_affinity"]
+    assert recipe["dataflow"]["source"]["class_path"] == "astralight.tasks.facts.FactSource"
+    assert recipe["dataflow"]["eval"]["source"]["init_args"]["split"] == "eval"
+    assert recipe["prepare"]["function"] == "astralight.tasks.facts.build_facts_policy"
+    assert recipe["stop"]["max_wall_s"] == 600 and recipe["port"] == 8765
+    assert recipe["trainers"][0]["model"]["init_args"]["lr"] == 1e-3
+    assert recipe["dataflow"]["group_size"] == 16
+    assert toy["trainers"][0]["model"]["init_args"]["lr"] == toy_lr  # the toy's file untouched
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    loaded = load_recipe(path)
+    assert loaded["stop"]["max_wall_s"] == 600
+
+
+def test_the_parity_config_is_trls_grpo_set_by_recipe_keys_alone(tmp_path):
+    keys = bench.config_keys("parity", "structured", 3e-4)
+    recipe = bench.astra_recipe(200, 8765, keys, task="structured", seed=2)
+    validate_recipe(recipe)
+    model = recipe["trainers"][0]["model"]["init_args"]
+    assert recipe["dataflow"]["max_staleness"] == 0 and recipe["dataflow"]["group_size"] == 8
+    assert recipe["trainers"][0]["data"]["init_args"]["batch_size"] == bench.TRL_BATCH
+    assert model["minibatches"] == 1 and model["batch_passes"] == 1
+    assert model["loss"] == "ppo_clip" and model["lr"] == 3e-4 and model["grad_clip"] == 1.0
+    engine = recipe["raas"][0]["engines"]["policy"]
+    assert engine["dtype"] == "float32"
+    publisher = recipe["trainers"][0]["trainer"]["callbacks"][0]
+    assert publisher["class_path"].endswith("WeightPublisher")
+    assert publisher["init_args"]["precision"] == "fp32"
+    assert recipe["raas"][0]["workflow"]["init_args"]["sampling"]["max_tokens"] == 4
+    # the task and the seed reach every component
+    assert recipe["dataflow"]["source"]["class_path"] == "astralight.tasks.cipher.CipherSource"
+    assert recipe["prepare"]["function"] == "astralight.tasks.cipher.build_cipher_policy"
+    assert recipe["seed"] == 2 and recipe["trainers"][0]["seed_everything"] == 2
+    assert recipe["raas"][0]["seed"] == 2
+    assert bench.config_keys("defaults", "facts", 3e-4) == []
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    load_recipe(path)  # the publisher's precision is a key the schema knows
+
+
+def _run(accs, budget=600, per_point=100, milestones=()):
+    n = len(accs) - 1
+    run = {"curve": [{"t": budget * i / n, "acc": a, "samples": per_point * i, "steps": i}
+                     for i, a in enumerate(accs)]}
+    if milestones:
+        run["sample_curve"] = [{"t": None, "acc": a, "samples": s, "steps": 0}
+                               for s, a in milestones]
+    return run
+
+
+def test_figures_time_astralight_to_trls_best_and_final():
+    out = bench.figures([_run([0.1, 0.5, 0.7, 0.7])], [_run([0.1, 0.3, 0.6, 0.65])], [1.0])
+    assert out["trl_best"] == 0.65 and out["trl_wall_to_trl_best"] == 600
+    assert out["astra_wall_to_trl_best"] == 400 and out["ratio_wall_to_trl_best"] == 0.667
+    assert out["trl_wall_s"] == 600 and out["astra_wall_to_trl_final"] == 400
+    assert out["astra_acc_at_budget"] == 0.7 and out["trl_acc_at_budget"] == 0.65
+    assert out["astra_steps"] == 3 and out["trl_samples"] == 300
+    never = bench.figures([_run([0.1, 0.1, 0.2, 0.3])], [_run([0.1, 0.3, 0.6, 0.65])], [1.0])
+    assert never["astra_wall_to_trl_best"] is None and never["ratio_wall_to_trl_best"] is None
+    assert never["astra_wall_to_trl_final"] is None
+    json.dumps(out)
+    assert bench.points(600, 3) == [0, 200, 400, 600]
+
+
+def test_accuracy_per_sample_is_interpolated_at_shared_points_for_every_seed():
+    run = _run([0.0, 0.4, 0.8], per_point=100)["curve"]
+    assert bench.acc_at_samples(run, 0) == 0.0
+    assert bench.acc_at_samples(run, 50) == pytest.approx(0.2)
+    assert bench.acc_at_samples(run, 150) == pytest.approx(0.6)
+    assert bench.acc_at_samples(run, 999) == 0.8  # past the end: the last accuracy
+    # astralight reached 200 samples, TRL 1,000: points run to the fewest (200); TRL's
+    # milestone snapshots at astralight's counts sit between its wall-time points
+    astra = [_run([0.1, 0.3, 0.5], per_point=100), _run([0.1, 0.2, 0.4], per_point=100)]
+    trl = [_run([0.1, 0.9], per_point=1000, milestones=[(100, 0.2), (200, 0.3)])]
+    out = bench.figures(astra, trl, [1.0], n_samples_points=2)
+    assert out["samples_points"] == [0, 100, 200]
+    assert out["astra_acc"] == [[0.1, 0.3, 0.5], [0.1, 0.2, 0.4]]
+    assert out["trl_acc"] == [[0.1, 0.2, 0.3]]
+    assert out["parity_met"] is True  # astralight's mean >= the lowest TRL seed everywhere
+    assert out["astra_acc_at_budget_seeds"] == [0.5, 0.4]
+    assert out["astra_acc_at_budget"] == pytest.approx(0.45)
+    behind = bench.figures(astra, [_run([0.1, 0.9], per_point=1000,
+                                        milestones=[(100, 0.5), (200, 0.6)])], [1.0],
+                           n_samples_points=2)
+    assert behind["parity_met"] is False
+    # the per-seed curves name every evaluated row in order of samples (milestones included)
+    assert [row[1] for row in out["trl_runs"][0]["curve"]] == [0, 100, 200, 1000]
+    json.dumps(out)
+
+
+def test_an_arm_not_run_has_null_figures_not_the_warm_starts():
+    alone = bench.figures([_run([0.1, 0.5, 0.7, 0.7])], None, [1.0])
+    assert alone["astra_acc_at_budget"] == 0.7 and alone["astra_samples"] == 300
+    assert alone["warm_start_acc"] == 0.1 and alone["parity_met"] is None
+    for key in ("trl_acc_at_budget", "trl_best", "trl_wall_to_trl_best", "astra_wall_to_trl_best",
+                "ratio_wall_to_trl_best", "trl_samples", "trl_steps", "trl_curve", "trl_acc",
+                "trl_runs", "astra_wall_to_trl_final"):
+        assert alone[key] is None, key
+    trl_only = bench.figures(None, [_run([0.1, 0.3, 0.6, 0.65])], [1.0])
+    assert trl_only["trl_best"] == 0.65 and trl_only["trl_wall_to_trl_best"] == 600
+    assert trl_only["astra_acc_at_budget"] is None and trl_only["astra_curve"] is None
+    json.dumps(alone)
+
+
+def test_the_plot_draws_both_axes_for_every_seed(tmp_path):
+    out = bench.figures([_run([0.1, 0.5, 0.7])] * 2,
+                        [_run([0.1, 0.3, 0.6], milestones=[(50, 0.2)])] * 3, [1.0])
+    bench.plot(out, tmp_path / "acc.png", "structured")
+    assert (tmp_path / "acc.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, flag", [(["--arms", "astra,trll"], "--arms"),
+                                        (["--seeds", "0"], "--seeds"),
+                                        (["--task", "sums"], "--task"),
+                                        (["--config", "fast"], "--config"),
+                                        (["--budget-s", "0"], "--budget-s")])
+def test_bad_arguments_name_the_flag_before_anything_runs(tmp_path, capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*argv, "--out-dir", str(tmp_path / "out")])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
