@@ -182,8 +182,9 @@ class RaaSService(Membership):
         JSON ``{model_id: {version, manifest_version, held: {name: sha256}, expected: {name:
         sha256}, mismatched: [names]}}``; ``expected`` are the checksums in the manifest of the
         shadow copy's version (the trainer's bf16 cast; for a float32 publication, those of the
-        bf16 cast of the joined weights, :mod:`astralight.weights.exact`). Reading back costs about one forward
-        pass per hidden size; it is meant for audits and tests, not for every refresh.
+        bf16 cast of the joined weights, :mod:`astralight.weights.exact`). Reading back costs
+        about one forward pass per hidden size; it is meant for audits and tests, not for every
+        refresh.
         """
         import json
 

@@ -16,14 +16,14 @@ order); training draws from every word, as a user's prompt set would.
 from __future__ import annotations
 
 import itertools
-import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt
+from astralight.tasks.held_out import (TableSource, build_table_policy, tiny_vocab_size,
+                                       write_seen_pairs)
 
 #: the digits the letters are enciphered to
 DIGITS = "0123456789"
@@ -83,14 +83,10 @@ class CipherTable:
 
     def write_pairs(self, path: str | Path) -> Path:
         """The seen words as the JSONL :func:`astralight.tasks.sft_warmstart.read_pairs` reads."""
-        path = Path(path)
-        lines = [json.dumps({"prompt": self.prompt(k).prompt, "target": self.answer(k)})
-                 for k in self.seen]
-        path.write_text("\n".join(lines) + "\n")
-        return path
+        return write_seen_pairs(self, path)
 
 
-class CipherSource(PromptSource):
+class CipherSource(TableSource):
     """Prompts of a :class:`CipherTable`.
 
     Args:
@@ -104,22 +100,8 @@ class CipherSource(PromptSource):
     def __init__(self, split: str = "train", word_len: int = 3, letters: str = LETTERS,
                  known_letters: int = 8, seen_share: float = 0.5, seed: int = 0,
                  eval_size: int = 300):
-        if split not in ("train", "eval"):
-            raise ValueError(f"split: must be 'train' or 'eval', got {split!r}")
-        self.split = split
-        self.table = CipherTable(word_len, letters, known_letters, seen_share, seed)
-        self.eval_keys = self.table.unseen[:eval_size]
-
-    def get(self, index: int) -> Prompt:
-        if self.split == "eval":
-            if not 0 <= index < len(self.eval_keys):
-                raise IndexError(f"eval prompt {index} out of range [0, {len(self.eval_keys)})")
-            return self.table.prompt(self.eval_keys[index])
-        rng = np.random.default_rng([self.table.seed, 0, index])
-        return self.table.prompt(int(rng.integers(self.table.num_keys)))
-
-    def __len__(self) -> int:
-        return len(self.eval_keys) if self.split == "eval" else 2**62
+        super().__init__(split, CipherTable(word_len, letters, known_letters, seen_share, seed),
+                         eval_size)
 
 
 def build_cipher_policy(out_dir: str | Path, word_len: int = 3, letters: str = LETTERS,
@@ -128,20 +110,10 @@ def build_cipher_policy(out_dir: str | Path, word_len: int = 3, letters: str = L
     """A recipe ``prepare`` function: the tiny model warm-started on the table's seen words
     (:func:`astralight.tasks.sft_warmstart.build_sft_policy`, whose keyword arguments
     ``sft_kwargs`` are: ``sft_steps``, ``lr``, ``label_smoothing``, ``num_threads``...)."""
-    from astralight.tasks.sft_warmstart import build_sft_policy
-
     table = CipherTable(word_len, letters, known_letters, seen_share, seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        data = table.write_pairs(Path(tmp) / "seen_words.jsonl")
-        return build_sft_policy(out_dir, data, seed=seed, **sft_kwargs)
+    return build_table_policy(table, out_dir, seed, **sft_kwargs)
 
 
-def _vocab_size(spec: Any = None, **_: Any) -> int:
-    from astralight.tasks.sft_warmstart import build_sft_policy
-
-    return build_sft_policy.vocab_size(spec=spec)
-
-
-build_cipher_policy.vocab_size = _vocab_size
+build_cipher_policy.vocab_size = tiny_vocab_size
 
 __all__ = ["CipherTable", "CipherSource", "build_cipher_policy"]

@@ -13,14 +13,14 @@ from every key (seen and unseen), as a user's prompt set would.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource
+from astralight.tasks.base import Prompt
+from astralight.tasks.held_out import (TableSource, build_table_policy, tiny_vocab_size,
+                                       write_seen_pairs)
 
 #: characters an answer is drawn from (all in the tiny model's character tokenizer)
 DIGITS = "0123456789"
@@ -57,14 +57,10 @@ class FactTable:
 
     def write_pairs(self, path: str | Path) -> Path:
         """The seen facts as the JSONL :func:`astralight.tasks.sft_warmstart.read_pairs` reads."""
-        path = Path(path)
-        lines = [json.dumps({"prompt": self.prompt(k).prompt, "target": self.answers[k]})
-                 for k in self.seen]
-        path.write_text("\n".join(lines) + "\n")
-        return path
+        return write_seen_pairs(self, path)
 
 
-class FactSource(PromptSource):
+class FactSource(TableSource):
     """Prompts of a :class:`FactTable`.
 
     Args:
@@ -78,22 +74,8 @@ class FactSource(PromptSource):
     def __init__(self, split: str = "train", num_keys: int = 200, seen_share: float = 0.25,
                  answer_len: int = 1, alphabet: str = DIGITS, seed: int = 0,
                  eval_size: int = 1000):
-        if split not in ("train", "eval"):
-            raise ValueError(f"split: must be 'train' or 'eval', got {split!r}")
-        self.split = split
-        self.table = FactTable(num_keys, seen_share, answer_len, alphabet, seed)
-        self.eval_keys = self.table.unseen[:eval_size]
-
-    def get(self, index: int) -> Prompt:
-        if self.split == "eval":
-            if not 0 <= index < len(self.eval_keys):
-                raise IndexError(f"eval prompt {index} out of range [0, {len(self.eval_keys)})")
-            return self.table.prompt(self.eval_keys[index])
-        rng = np.random.default_rng([self.table.seed, 0, index])
-        return self.table.prompt(int(rng.integers(self.table.num_keys)))
-
-    def __len__(self) -> int:
-        return len(self.eval_keys) if self.split == "eval" else 2**62
+        super().__init__(split, FactTable(num_keys, seen_share, answer_len, alphabet, seed),
+                         eval_size)
 
 
 def build_facts_policy(out_dir: str | Path, num_keys: int = 200, seen_share: float = 0.25,
@@ -102,22 +84,12 @@ def build_facts_policy(out_dir: str | Path, num_keys: int = 200, seen_share: flo
     """A recipe ``prepare`` function: the tiny model warm-started on the table's seen facts
     (:func:`astralight.tasks.sft_warmstart.build_sft_policy`, whose keyword arguments
     ``sft_kwargs`` are: ``sft_steps``, ``lr``, ``spec``, ``num_threads``...)."""
-    from astralight.tasks.sft_warmstart import build_sft_policy
-
     table = FactTable(num_keys, seen_share, answer_len, alphabet, seed)
     if not table.seen:
         raise ValueError("seen_share: the warm start needs at least one seen fact (raise it)")
-    with tempfile.TemporaryDirectory() as tmp:
-        data = table.write_pairs(Path(tmp) / "seen_facts.jsonl")
-        return build_sft_policy(out_dir, data, seed=seed, **sft_kwargs)
+    return build_table_policy(table, out_dir, seed, **sft_kwargs)
 
 
-def _vocab_size(spec: Any = None, **_: Any) -> int:
-    from astralight.tasks.sft_warmstart import build_sft_policy
-
-    return build_sft_policy.vocab_size(spec=spec)
-
-
-build_facts_policy.vocab_size = _vocab_size
+build_facts_policy.vocab_size = tiny_vocab_size
 
 __all__ = ["FactTable", "FactSource", "build_facts_policy"]

@@ -545,6 +545,8 @@ def plot(result: dict, path: Path, task: str = "facts") -> None:
                         label=f"{name} (mean of {len(runs)})")
         xs, ys = zip(*result[f"{key}_curve"])
         by_time.plot(xs, ys, color=color, lw=2.5, marker="o", label=f"{name} (mean of {len(runs)})")
+    if result["samples_points"]:  # the range every run reached (a faster arm runs far past it)
+        by_samples.set_xlim(0, result["samples_points"][-1] * 1.05)
     by_samples.set_xlabel("samples trained")
     by_time.set_xlabel("wall time from the arm's start (s)")
     for ax in (by_samples, by_time):

@@ -10,7 +10,9 @@ back from vLLM, linear kernels included) and against transformers log-probs:
   pull that follows at once lands the engine on the right weights;
 * a delta corrupt in the store leaves the engine on its previous (intact) version; the next full
   version brings it forward;
-* a sync that joins late starts from the last full version and then follows deltas.
+* a sync that joins late starts from the last full version and then follows deltas;
+* a float32 publication (``WeightPublisher(precision="fp32")``'s split halves) reaches a float32
+  engine exactly: an update too small for bf16 changes its log-probs as it changes the trainer's.
 
 One module-scoped engine pays vLLM's start-up and warm-up once (~20 s); each test gets its own
 dataflow service process.
@@ -124,11 +126,12 @@ def assert_engine_holds(engine, state: dict) -> None:
     assert not bad, f"vLLM holds other weights than published for {bad}"
 
 
-def _reference_logprobs(model_dir, state, sequences, prompt_lens, temperature=1.0):
+def _reference_logprobs(model_dir, state, sequences, prompt_lens, temperature=1.0, bf16=True):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
+    model.load_state_dict({k: v.to(torch.bfloat16).float() if bf16 else v
+                           for k, v in state.items()})
     out = []
     with torch.no_grad():
         for seq, p in zip(sequences, prompt_lens):
@@ -138,12 +141,13 @@ def _reference_logprobs(model_dir, state, sequences, prompt_lens, temperature=1.
     return out
 
 
-def _logprob_gap(engine, model_dir, state) -> float:
-    """max |vLLM log-prob - transformers log-prob on ``state``| over sampled completions."""
+def _logprob_gap(engine, model_dir, state, bf16=True) -> float:
+    """max |vLLM log-prob - transformers log-prob on ``state``| over sampled completions
+    (``state`` cast to bf16 first, unless ``bf16=False``)."""
     ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     comps = engine.generate_batch(ids, SamplingSpec(temperature=1.0, max_tokens=8, seed=5))
     seqs = [i + c.token_ids for i, c in zip(ids, comps)]
-    ref = _reference_logprobs(model_dir, state, seqs, [len(i) for i in ids])
+    ref = _reference_logprobs(model_dir, state, seqs, [len(i) for i in ids], bf16=bf16)
     return float(np.concatenate([np.abs(np.array(c.logprobs) - r) for c, r in zip(comps, ref)]).max())
 
 
@@ -288,3 +292,41 @@ def test_a_late_joiner_starts_from_the_last_full_then_follows_deltas(engine, tmp
     finally:
         sync.close()
         pub.client.close()
+
+
+def test_a_float32_publication_reaches_a_float32_engine_exactly(tiny_model_dir, tmp_path,
+                                                                dataflow_service):
+    from astralight.raas.vllm_engine import VLLMEngine
+    from astralight.weights.exact import split_fp32
+
+    s1 = _state(seed=1)
+    g = torch.Generator().manual_seed(7)
+    # every weight moved by ~2^-11 of itself: under half a bf16 step, so bf16 rounds nearly
+    # all of it away (what the default publication would have carried)
+    s2 = {k: v * (1 + 2**-11 * torch.randn(v.shape, generator=g).clamp(-1, 1))
+          for k, v in s1.items()}
+    same_in_bf16 = sum(int(torch.eq(s2[k].to(torch.bfloat16), s1[k].to(torch.bfloat16)).sum())
+                       for k in s1) / sum(v.numel() for v in s1.values())
+    assert same_in_bf16 > 0.9
+    eng = VLLMEngine(str(tiny_model_dir), dtype="float32", max_model_len=128, seed=0,
+                     kv_cache_memory_bytes=64 << 20, enforce_eager=True, warmup=False)
+    svc = dataflow_service(tmp_path)
+    pub = Publisher(svc.url)
+    sync = WeightSync(lambda: DataflowClient(svc.url, retry_s=10), "policy", eng,
+                      check_interval_s=0.0, background=False)
+    try:
+        pub.publish(1, split_fp32(s1))
+        sync.refresh()
+        assert eng.version == 1 and sync.last_pushed == len(s1)  # weights, not halves
+        assert pub.publish(2, split_fp32(s2)).kind == "delta"
+        sync.refresh()
+        assert eng.version == 2
+        gap_new = _logprob_gap(eng, tiny_model_dir, s2, bf16=False)
+        gap_old = _logprob_gap(eng, tiny_model_dir, s1, bf16=False)
+        print(f"\nfloat32: logprob |vLLM - HF(v2)| max {gap_new:.2e}, vs HF(v1) {gap_old:.2e}")
+        assert gap_new < 1e-4  # float32 arithmetic on the same weights
+        assert gap_old > 10 * gap_new  # the sub-bf16 update reached the engine
+    finally:
+        sync.close()
+        pub.client.close()
+        eng.close()
