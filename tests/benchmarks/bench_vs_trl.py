@@ -23,7 +23,9 @@ counted from its start (so astralight's start-up -- the recipe check, three proc
 engine -- is in its budget, as a user waits for it):
 
 - ``astra``: ``astralight run`` on the toy recipe (examples/toy/recipe.yaml) with the task
-  swapped in and the ``--config``'s keys set, stopped by ``stop.max_wall_s``; ``--astra-set
+  swapped in, its in-run evals off (``dataflow.eval.source: null``: they would take the RaaS
+  from training, and TRL's arm runs none) and the ``--config``'s keys set, stopped by
+  ``stop.max_wall_s``; ``--astra-set
   KEY=VALUE`` changes any recipe key after that (dotted path, list items by index, e.g.
   ``trainers.0.model.init_args.lr=1e-3``). A watcher reads the latest published weights from
   the run's dataflow at every eval point.
@@ -209,8 +211,8 @@ def config_keys(config: str, task: str, trl_lr: float) -> list[str]:
 
 def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "facts",
                  seed: int = 0) -> dict:
-    """The toy recipe with ``task`` swapped in, seeded with ``seed``, a wall-clock stop, then
-    ``overrides`` (``KEY=VALUE``) set in order."""
+    """The toy recipe with ``task`` swapped in, seeded with ``seed``, no in-run evals, a
+    wall-clock stop, then ``overrides`` (``KEY=VALUE``) set in order."""
     import yaml
 
     spec = TASKS[task]
@@ -222,8 +224,9 @@ def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "
                          "kwargs": {**spec["table"], **spec["warm_start"]}}
     recipe["dataflow"]["source"] = {"class_path": spec["source"],
                                     "init_args": {"split": "train", **spec["table"]}}
-    recipe["dataflow"]["eval"]["source"] = {"class_path": spec["source"],
-                                            "init_args": {"split": "eval", **spec["table"]}}
+    # no in-run evals: the bench evaluates both arms' weights afterwards, and TRL's arm runs
+    # none either (with batches of 64 they cost the RaaS more samples than training does)
+    recipe["dataflow"]["eval"]["source"] = None
     recipe["stop"] = {"model_id": MODEL_ID, "max_wall_s": budget_s,
                       "timeout_s": budget_s + 600, "final_eval_timeout_s": 0,
                       "progress_every_s": 30}

@@ -23,7 +23,7 @@ def test_the_bench_recipe_is_the_toy_with_the_task_swapped_in_and_loads(tmp_path
     toy = yaml.safe_load(bench.TOY_RECIPE.read_text())
     assert recipe["raas"] == toy["raas"] and recipe["cpu_affinity"] == toy["cpu_affinity"]
     assert recipe["dataflow"]["source"]["class_path"] == "astralight.tasks.facts.FactSource"
-    assert recipe["dataflow"]["eval"]["source"]["init_args"]["split"] == "eval"
+    assert recipe["dataflow"]["eval"]["source"] is None  # the bench evaluates afterwards
     assert recipe["prepare"]["function"] == "astralight.tasks.facts.build_facts_policy"
     assert recipe["stop"]["max_wall_s"] == 600 and recipe["port"] == 8765
     assert recipe["trainers"][0]["model"]["init_args"]["lr"] == 1e-3
