@@ -150,7 +150,7 @@ class DataflowConfig:
             ``max(1, ceil(capacity / ratio))`` tasks at once.
         max_staleness: serve only samples at most this many versions behind the current one.
         queue_order: serving order of the fresh queues: ``fifo`` (ingest order), ``edf`` (oldest
-            behaviour version first), a list of queue-order plugins composed lexicographically
+            behaviour version first), ``freshest`` (newest behaviour version first), a list of queue-order plugins composed lexicographically
             (``[edf, fifo]``, ``{class_path, init_args}``), or a mapping ``{model_id: order}`` for a
             different order per policy (policies not named get ``fifo``).
         curators: prompt curators (pre-rollout hook) in order: ``accept_all``, ``filter_solved``,

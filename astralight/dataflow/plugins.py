@@ -35,6 +35,7 @@ BUILT_INS: dict[str, dict[str, str]] = {
     "queue_order": {  # fresh-queue orders
         "fifo": "astralight.dataflow.queues.Fifo",
         "edf": "astralight.dataflow.queues.Edf",
+        "freshest": "astralight.dataflow.queues.Freshest",
     },
 }
 

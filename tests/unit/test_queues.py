@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astralight.dataflow.queues import Edf, Fifo, FreshQueue, QueueEntry, QueueOrder
+from astralight.dataflow.queues import Edf, Fifo, FreshQueue, Freshest, QueueEntry, QueueOrder
 from astralight.protocol import Sample
 
 
@@ -44,6 +44,19 @@ def test_edf_serves_oldest_behaviour_version_first_ties_by_ingest():
     assert ids(batch) == [2, 4, 5]
 
 
+def test_freshest_serves_the_newest_behaviour_version_first_and_lets_the_old_expire():
+    q = FreshQueue("freshest", max_staleness=2)
+    for sid, v in [(1, 3), (2, 1), (3, 2), (4, 3), (5, 1)]:
+        q.push(entry(sid, v))
+    assert q.peek_order() == [1, 4, 3, 2, 5]  # ties by ingest order
+    batch, dropped = q.take(2, current_version=3)
+    assert ids(batch) == [1, 4] and dropped == []
+    # two versions on, what was left from version 1 is too stale: dropped and returned
+    batch, dropped = q.take(1, current_version=4)
+    assert ids(batch) == [3] and ids(dropped) == [2, 5] and len(q) == 0
+    assert isinstance(FreshQueue(Freshest()).orders[0], Freshest)
+
+
 def test_requeued_sample_returns_to_its_place():
     q = FreshQueue("fifo", max_staleness=10)
     for sid in (1, 2, 3):
@@ -74,7 +87,7 @@ def test_not_enough_fresh_samples_serves_nothing_but_still_drops_stale():
     assert ids(batch) == [2, 3] and dropped == []
 
 
-@pytest.mark.parametrize("order", ["fifo", "edf"])
+@pytest.mark.parametrize("order", ["fifo", "edf", "freshest"])
 def test_batches_have_exactly_size_samples(order):
     q = FreshQueue(order, max_staleness=0)
     for sid in range(10):
