@@ -6,11 +6,13 @@ start already knows every answer. Here every answer follows one rule -- a seeded
 of each letter by a digit, the same at every position and for every word -- and the warm start
 saw only a minority of the words, and the cipher of only some of the letters
 (:class:`CipherTable`). What RL learns on one word (that ``d`` is ``1``) is right for every
-other word that holds that letter, so a system that learns more from each sample shows it here (``tests/benchmarks/bench_vs_trl.py --task structured``).
+other word that holds that letter, so a system that learns more from each sample shows it here
+(``tests/benchmarks/bench_vs_trl.py --task structured``).
 
 Keys are the ``len(letters) ** word_len`` words over ``letters`` (default 16 letters, 3 per
-word: 4,096 words, the warm start knowing 8 letters). The eval split is the unseen words (at most ``eval_size``, in a fixed
-order); training draws from every word, as a user's prompt set would.
+word: 4,096 words, the warm start knowing 8 letters). The eval split is the unseen words (at
+most ``eval_size``, in a fixed order); training draws from every word, as a user's prompt set
+would.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class CipherTable:
         digits = [DIGITS[int(d)] for d in rng.permutation(len(DIGITS))[:known_letters]]
         # the known letters get distinct digits; each unknown one a digit of a known letter: one
         # the warm start was trained to write (it would hardly ever sample a digit it never saw)
-        extra = [digits[int(i)] for i in rng.integers(0, known_letters, len(letters) - known_letters)]
+        extra = [digits[int(i)]
+                 for i in rng.integers(0, known_letters, len(letters) - known_letters)]
         self.cipher = dict(zip(order, digits + extra))
         self.words = ["".join(w) for w in itertools.product(letters, repeat=word_len)]
         known_words = [k for k, w in enumerate(self.words) if set(w) <= set(self.known)]

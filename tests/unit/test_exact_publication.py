@@ -92,7 +92,8 @@ def test_float32_versions_reach_the_engine_exactly_through_full_and_delta_artifa
     v2["q"] += 1e-7 * torch.randn(16, 8, generator=g)  # far below a bf16 step: rounds away
     v2["mlp"][0, 0] += 2**-20  # one element, in the lower half only
     assert torch.equal(v2["q"].to(torch.bfloat16), v1["q"].to(torch.bfloat16))
-    store, builder, engine = FakeStore(), ArtifactBuilder("policy", full_every=10), RecordingEngine()
+    store, engine = FakeStore(), RecordingEngine()
+    builder = ArtifactBuilder("policy", full_every=10)
     sync = WeightSync(lambda: store, "policy", engine, check_interval_s=0.0, background=False)
     for version, state in ((1, v1), (2, v2)):
         store.add(builder.build(version, split_fp32(state)))

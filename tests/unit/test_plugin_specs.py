@@ -21,14 +21,15 @@ BUILT_INS = {
 
 
 def test_aliases_cover_every_builtin_and_the_queue_orders():
-    assert set(ALIASES) == set(BUILT_INS) | {"fifo", "edf"}
+    assert set(ALIASES) == set(BUILT_INS) | {"fifo", "edf", "freshest"}
     assert ALIASES["fifo"] == "astralight.dataflow.queues.Fifo"
     assert ALIASES["edf"] == "astralight.dataflow.queues.Edf"
+    assert ALIASES["freshest"] == "astralight.dataflow.queues.Freshest"
 
 
 def test_short_names_are_unique_across_hooks():
     assert len(ALIASES) == sum(len(names) for names in REGISTRY.values())
-    assert set(REGISTRY["queue_order"]) == {"fifo", "edf"}
+    assert set(REGISTRY["queue_order"]) == {"fifo", "edf", "freshest"}
 
 
 @pytest.mark.parametrize("where, hook", [("curators[0]", "curators"),
