@@ -31,9 +31,11 @@ def clamped_log_ratio(logp: Tensor, logp_behaviour: Tensor, mask: Tensor | None 
     return torch.where(mask.bool(), lr, torch.zeros_like(lr))
 
 
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Sum of ``x`` over ``mask``; masked-out entries never contribute, even if NaN/inf."""
-    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``x`` over ``mask`` (all of it, or along ``dim``); masked-out entries never
+    contribute, even if NaN/inf."""
+    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, denom: Tensor | float | None = None) -> Tensor:

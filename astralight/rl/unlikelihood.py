@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from astralight.rl.kl import masked_sum
+
 #: the value of ``log pi(y|x)`` is capped at this (``pi <= 1 - 1e-6``) so that ``log(1 - pi)``
 #: stays finite; its gradient passes the cap unchanged (a completion the policy is certain of
 #: still gets pushed, with the weight ``pi / (1 - pi)`` held at 1e6)
@@ -40,8 +42,7 @@ MAX_SEQ_LOGP = -1e-6
 def sequence_logprobs(logp: Tensor, mask: Tensor) -> Tensor:
     """``log pi(y|x)`` of every sample: its token log-probs summed over ``mask`` (``[B]``,
     float32); masked-out entries never contribute, even if NaN/inf."""
-    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    return torch.where(mask.bool(), logp.float(), zero).sum(-1)
+    return masked_sum(logp.float(), mask, dim=-1)
 
 
 def unlikelihood_penalty(

@@ -24,11 +24,9 @@ from typing import Any
 import numpy as np
 
 from astralight.tasks.base import Prompt
-from astralight.tasks.held_out import (TableSource, build_table_policy, tiny_vocab_size,
-                                       write_seen_pairs)
+from astralight.tasks.held_out import (DIGITS, TableSource, build_table_policy,
+                                       tiny_vocab_size, write_seen_pairs)
 
-#: the digits the letters are enciphered to
-DIGITS = "0123456789"
 #: the default letters of the words (all in the tiny model's character tokenizer)
 LETTERS = "abcdefghijklmnop"
 

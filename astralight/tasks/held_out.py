@@ -17,6 +17,9 @@ import numpy as np
 
 from astralight.tasks.base import Prompt, PromptSource
 
+#: characters an answer is drawn from (all in the tiny model's character tokenizer)
+DIGITS = "0123456789"
+
 
 class TableSource(PromptSource):
     """Prompts of a table: ``split="train"`` is an endless seeded stream over every key (seen and
@@ -72,4 +75,4 @@ def tiny_vocab_size(spec: Any = None, **_: Any) -> int:
     return build_sft_policy.vocab_size(spec=spec)
 
 
-__all__ = ["TableSource", "write_seen_pairs", "build_table_policy", "tiny_vocab_size"]
+__all__ = ["DIGITS", "TableSource", "write_seen_pairs", "build_table_policy", "tiny_vocab_size"]
