@@ -31,6 +31,7 @@ from astralight.rl.entropy import masked_entropy_sum
 from astralight.rl.kl import kl_penalty
 from astralight.rl.logprobs import causal_lm_logprobs, token_logprobs
 from astralight.rl.m2po import all_reduce_sum
+from astralight.rl.mismatch import mismatch_metrics
 from astralight.rl.unlikelihood import unlikelihood_penalty
 
 
@@ -443,14 +444,18 @@ class RLPolicy(pl.LightningModule):
         with ctx:
             self.manual_backward(loss)
 
-    def accumulate_gradients(self, batch: dict) -> dict[str, Tensor]:
+    def accumulate_gradients(self, batch: dict,
+                             weights_version: int | None = None) -> dict[str, Tensor]:
         """Forward + backward of a prepared batch (micro-batched); returns combined metrics.
 
         Gradients accumulate into ``.grad``; the caller clips and steps. Usable without a
         Trainer (plain ``loss.backward()``), which is how the tests compare micro-batching to
         the single pass. ``entropy`` is the policy's mean entropy per loss-masked token of this
         rank's batch, from the logits of the pass that fixes the loss context (the grad forward
-        without micro-batches, the no-grad one with them): no extra forward.
+        without micro-batches, the no-grad one with them): no extra forward. With
+        ``weights_version`` (the published version of the weights as they are now) the
+        ``mismatch_*`` metrics (:mod:`astralight.rl.mismatch`) compare those log-probs with the
+        behaviour log-probs of the tokens that version sampled.
         """
         n = batch["input_ids"].shape[0]
         slices = self._micro_slices(n)
@@ -464,7 +469,7 @@ class RLPolicy(pl.LightningModule):
             out = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
             out["loss"] = loss.detach().float()
             out["entropy"] = entropy.detach() / max(1, count)
-            return out
+            return {**out, **self._mismatch(batch, logp, weights_version)}
         with torch.no_grad():
             passes = [self.logprobs_with_entropy(batch["input_ids"][sl],
                                                  batch["attention_mask"][sl], batch["mask"][sl])
@@ -490,7 +495,16 @@ class RLPolicy(pl.LightningModule):
         out = combine_metrics(parts)
         out["loss"] = total_loss
         out["entropy"] = entropy
-        return out
+        return {**out, **self._mismatch(batch, logp_all, weights_version)}
+
+    @staticmethod
+    def _mismatch(batch: dict, logp: Tensor, weights_version: int | None) -> dict[str, Tensor]:
+        """The ``mismatch_*`` metrics of ``logp`` (computed by the weights of
+        ``weights_version``); none when that version is unknown."""
+        if weights_version is None:
+            return {}
+        return mismatch_metrics(logp, batch["logp_behaviour"], batch["mask"], batch["versions"],
+                                weights_version)
 
     def _with_entropy_bonus(self, batch: dict, loss: Tensor, metrics: dict,
                             entropy_sum: Tensor) -> tuple[Tensor, dict]:
@@ -548,7 +562,9 @@ class RLPolicy(pl.LightningModule):
         updates: list[tuple[dict[str, Tensor], Tensor]] = []
         for i, sl in enumerate(plan):
             part = prepared if len(plan) == 1 else self._slice(prepared, sl, n)
-            step_metrics = self.accumulate_gradients(part)
+            # only the first update sees the weights of a published version (the step's own)
+            step_metrics = self.accumulate_gradients(
+                part, weights_version=prepared.get("trainer_version") if i == 0 else None)
             updates.append((step_metrics, self._optimizer_update(opt, last=i == len(plan) - 1)))
         metrics = updates[0][0] if len(updates) == 1 else mean_over_updates(
             [m for m, _ in updates])

@@ -314,6 +314,37 @@ def _staleness_line(data: RunData, names: list[str]) -> str | None:
     return ("staleness of trained samples: " + "; ".join(parts)) if parts else None
 
 
+#: the TensorBoard tags of the train/inference mismatch (astralight.rl.mismatch)
+MISMATCH_TAGS = ("train/mismatch_abs_mean", "train/mismatch_k3", "train/mismatch_ratio_max",
+                 "train/mismatch_tail_fraction")
+
+
+def _mismatch_line(data: RunData) -> str | None:
+    """Train/inference mismatch per trainer logger (TensorBoard ``train/mismatch_*``): the mean
+    over the run and over its last tenth of measured steps, the largest ratio, the tail share."""
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    parts = []
+    for name, tb in sorted(data.scalars.items()):
+        series = {tag: [v for _, v in tb.get(tag, [])] for tag in MISMATCH_TAGS}
+        abs_mean = series["train/mismatch_abs_mean"]
+        if not abs_mean:
+            continue
+        tail = abs_mean[-max(1, len(abs_mean) // 10):]
+        text = f"{name} |logp diff| {mean(abs_mean):.4f} (last tenth {mean(tail):.4f})"
+        if series["train/mismatch_k3"]:
+            text += f", k3 {mean(series['train/mismatch_k3']):.2e}"
+        if series["train/mismatch_ratio_max"]:
+            text += f", ratio max {max(series['train/mismatch_ratio_max']):.3g}"
+        if series["train/mismatch_tail_fraction"]:
+            text += f", {_pct(mean(series['train/mismatch_tail_fraction']))} of tokens past 2x"
+        parts.append(f"{text} over {len(abs_mean)} steps")
+    if not parts:
+        return None
+    return "train/inference mismatch (on-policy tokens): " + "; ".join(parts)
+
+
 def _balance_line(data: RunData) -> str:
     summary = data.summary or {}
     report = summary.get("balance") or (data.balance[-1] if data.balance else None)
@@ -370,6 +401,9 @@ def summary_text(data: RunData, written: list[str], skipped: dict[str, str], win
     stale = _staleness_line(data, names)
     if stale:
         lines.append(stale)
+    mismatch = _mismatch_line(data)
+    if mismatch:
+        lines.append(mismatch)
     lines.append(_balance_line(data))
     lines.append(f"plots written: {', '.join(written) if written else 'none'}"
                  f"{f' (smoothing window {window})' if written else ''}")

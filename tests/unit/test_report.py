@@ -66,6 +66,10 @@ def write_tensorboard(run_dir: Path, name: str = "policy", steps: int = 5) -> No
         writer.add_scalar("train/reward_mean", 0.2 + 0.1 * step, step)
         writer.add_scalar("train/staleness_mean", 0.5 * (step % 2), step)
         writer.add_scalar("train/staleness_max", float(step % 2), step)
+        writer.add_scalar("train/mismatch_abs_mean", 0.01 * (step + 1), step)
+        writer.add_scalar("train/mismatch_k3", 1e-4, step)
+        writer.add_scalar("train/mismatch_ratio_max", 1.5 + step, step)
+        writer.add_scalar("train/mismatch_tail_fraction", 0.02, step)
         # the publisher logs version step+1 at the step its snapshot was taken
         writer.add_scalar("publish/published_version", step + 1, step)
         writer.add_scalar("publish/kind", 1.0 if step == 0 else 0.0, step)
@@ -117,6 +121,10 @@ def test_full_run_writes_every_plot_and_a_matching_summary(full_run, capsys):
     assert "benchmark average 25.0% -> 75.0%" in text  # aime 100%, math500 50% at v4
     assert (f"rollouts generated / samples trained: policy {sum(ROLLOUTS.values())} / "
             f"{sum(TRAINED.values())}") in text
+    # the mismatch over 5 steps: mean of 0.01..0.05, the last step alone, the largest ratio
+    assert lines["train/inference mismatch (on-policy tokens)"].endswith(
+        "policy |logp diff| 0.0300 (last tenth 0.0500), k3 1.00e-04, ratio max 5.5, "
+        "2.0% of tokens past 2x over 5 steps")
     wait, step = sum(WAIT_MS.values()), sum(STEP_MS.values())
     assert (f"policy {100 * wait / step:.1f}% ({wait / 1000:.1f} s waiting of "
             f"{step / 1000:.1f} s") in text
