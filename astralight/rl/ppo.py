@@ -51,3 +51,54 @@ def ppo_clip_loss(
         **ratio_metrics(log_ratio, m),
     }
     return loss, metrics
+
+
+def truncated_is_ppo_loss(
+    logp: Tensor,
+    logp_proximal: Tensor,
+    logp_behaviour: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    is_cap: float = 2.0,
+    n_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO-clip with a truncated importance weight on the behaviour policy.
+
+    The sampler (a bf16 engine, other kernels, stale weights) is not the policy the trainer
+    computes, so the ratio is split in two (AReaL's decoupled objective; verl's and slime's
+    truncated importance sampling): the PPO ratio ``r = pi_theta / pi_proximal`` against the
+    trainer's own log-probs of the weights this update starts from (``logp_proximal``,
+    detached), clipped as PPO clips it; and a per-token weight ``w = min(pi_proximal /
+    pi_behaviour, is_cap)`` (detached) that corrects for the sampler. Per token
+    ``loss_t = w * max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, token-mean over
+    ``n_tokens``.
+
+    With one gradient step per update (astralight's: the proximal log-probs are recomputed at
+    each update's start) ``r`` is 1 where the gradient is taken, so the clip never binds and
+    the gradient is the truncated-IS policy gradient ``-w A grad log pi``: an unbiased one
+    where ``w <= is_cap``, with the variance of rare tokens the sampler under-weighted cut off.
+
+    Metrics: ``pg_loss``, ``clip_fraction``, ``is_weight_mean`` (mean ``w``),
+    ``is_truncated_fraction`` (tokens whose weight hit the cap) and :func:`ratio_metrics` of
+    the behaviour ratio ``pi_proximal / pi_behaviour``.
+    """
+    m = mask.bool()
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = clamped_log_ratio(logp, logp_proximal.detach(), m)
+    ratio = torch.exp(log_ratio)
+    behaviour = clamped_log_ratio(logp_proximal.detach(), logp_behaviour, m)
+    weight = torch.exp(behaviour).clamp(max=is_cap)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    per_token = weight * torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token, m, n_tokens)
+    metrics = {
+        "pg_loss": loss.detach(),
+        "clip_fraction": masked_mean((clipped > unclipped).float(), m).detach(),
+        "is_weight_mean": masked_mean(weight, m).detach(),
+        "is_truncated_fraction": masked_mean((torch.exp(behaviour) > is_cap).float(), m).detach(),
+        **ratio_metrics(behaviour, m),
+    }
+    return loss, metrics
