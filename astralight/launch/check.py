@@ -472,6 +472,7 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     the ``prepare`` step and the paths only (no component parser is imported).
     """
     from astralight.launch import _free_port, build_components, component_configs
+    from astralight.launch.guard import GuardError, guard_settings
     from astralight.launch.stop import StopError, resolve_versions
 
     t0 = time.monotonic()
@@ -480,7 +481,8 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     result = CheckResult(recipe=str(recipe_path))
     try:  # stop.versions and the trainers' max_steps in step, as the launcher derives them
         recipe = resolve_versions(recipe)
-    except StopError as exc:
+        guard_settings(recipe.get("guard"))
+    except (StopError, GuardError) as exc:
         raise RecipeError(str(exc)) from None
     for i, folder in enumerate(recipe_pythonpath(recipe)):
         if not Path(folder).is_dir():

@@ -34,6 +34,7 @@ from jsonargparse.typing import (
     PositiveInt,
 )
 
+from astralight.launch.guard import GUARD_DEFAULTS
 from astralight.supervise import SUPERVISE_DEFAULTS
 
 
@@ -139,6 +140,28 @@ class BalanceSection:
 
 
 @dataclass
+class GuardSection:
+    """``guard``: the run guard (:mod:`astralight.launch.guard`); ``guard: false`` turns it off.
+    A share or factor set to null turns that one check off."""
+
+    enabled: bool = field(default=True, metadata=_help("true or false"))
+    eval_drop: Optional[float] = field(default=GUARD_DEFAULTS["eval_drop"], metadata=_help(
+        "a share of the best eval in (0, 1] such as 0.25, or null"))
+    reward_drop: Optional[float] = field(default=GUARD_DEFAULTS["reward_drop"], metadata=_help(
+        "a share of the best train reward in (0, 1] such as 0.5, or null"))
+    length_factor: Optional[float] = field(default=GUARD_DEFAULTS["length_factor"],
+                                           metadata=_help("a factor > 1 such as 4, or null"))
+    malformed_rate: Optional[float] = field(default=GUARD_DEFAULTS["malformed_rate"],
+                                            metadata=_help("a share in (0, 1] such as 0.5, or null"))
+    entropy_floor: Optional[float] = field(default=GUARD_DEFAULTS["entropy_floor"],
+                                           metadata=_help("nats per token > 0, or null (off)"))
+    window: PositiveInt = field(default=GUARD_DEFAULTS["window"],
+                                metadata=_help("train steps, an int >= 1 such as 10"))
+    stop: bool = field(default=GUARD_DEFAULTS["stop"], metadata=_help(
+        "true to stop the run at the first event, or false (warn only)"))
+
+
+@dataclass
 class Recipe:
     """A whole recipe, after its ``extends`` chain is merged (``extends`` itself is gone)."""
 
@@ -166,6 +189,8 @@ class Recipe:
     autoscale: Optional[AutoscaleSection] = field(default=None, metadata=_help(
         "a mapping such as {min_instances: 1, max_instances: 3}, or null"))
     balance: Optional[BalanceSection] = field(default=None, metadata=_help("{every: 10}"))
+    guard: Optional[GuardSection] = field(default=None, metadata=_help(
+        "a mapping such as {eval_drop: 0.25, stop: true}, or false"))
 
 
 class SchemaError(ValueError):
@@ -319,8 +344,9 @@ def validate_recipe(recipe: dict) -> None:
                 f"list of a parent recipe (`extends`); this recipe has none to merge into: give "
                 f"a list")
     value = dict(recipe)
-    if isinstance(value.get("supervise"), bool):  # `supervise: false` is {enabled: false}
-        value["supervise"] = {"enabled": value["supervise"]}
+    for key in ("supervise", "guard"):  # `supervise: false` is {enabled: false}
+        if isinstance(value.get(key), bool):
+            value[key] = {"enabled": value[key]}
     _check(value, Recipe, "recipe", None)
     # the whole recipe once more, as jsonargparse parses a dataclass: the authority, should the
     # walk above ever miss something (its messages are the clearer ones)
@@ -340,4 +366,5 @@ def validate_recipe(recipe: dict) -> None:
 
 
 __all__ = ["Recipe", "StopSection", "PrepareSection", "SuperviseSection", "CpuAffinitySection",
-           "EnvSection", "AutoscaleSection", "BalanceSection", "SchemaError", "validate_recipe"]
+           "EnvSection", "AutoscaleSection", "BalanceSection", "GuardSection", "SchemaError",
+           "validate_recipe"]

@@ -53,8 +53,9 @@ from astralight.launch.recipe import (
     use_pythonpath,
 )
 from astralight.launch.balance import AUTOSCALE, FIXED, BalanceLog
+from astralight.launch.guard import GuardError, RunGuard, TrainCurves, guard_settings
 from astralight.launch.progress import ProgressRate, progress_line
-from astralight.launch.stop import (TIMEOUT, StopConditions, StopError, StopSequence,
+from astralight.launch.stop import (GUARD, TIMEOUT, StopConditions, StopError, StopSequence,
                                  resolve_versions, stop_settings)
 from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
@@ -169,10 +170,11 @@ def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: Pre
     recipe = load_recipe(recipe_path)
     settings = supervise_settings_checked(recipe.get("supervise"))
     use_pythonpath(recipe)
-    try:  # stop.versions and max_steps in step, stop's defaults
+    try:  # stop.versions and max_steps in step, stop's defaults; the guard's settings
         resolved = resolve_versions(recipe)
         stop = stop_settings(resolved["stop"])
-    except StopError as exc:
+        guard_settings(recipe.get("guard"))
+    except (StopError, GuardError) as exc:
         raise RecipeError(str(exc)) from None
     folder = _run_folder(recipe_path, recipe, run_dir)
     prewarm_components(recipe, folder, pool, base_env)
@@ -236,6 +238,7 @@ class Launch:
         self.url = f"http://127.0.0.1:{port}"
         self.recipe = self._prepared(recipe)
         self.model_id, self.target = stop["model_id"], int(stop["versions"])
+        self.guard = RunGuard(guard_settings(recipe.get("guard")), TrainCurves(self.run_dir).read)
         self.comps = build_components(self.recipe, self.run_dir, self.url, port,
                                       base_env if base_env is not None else _component_env())
         # where the run stood just after each crash, (version, rollouts) from the first stats
@@ -352,6 +355,7 @@ class Launch:
             self.sup.poll(now)
             version = self._poll(now)
             if now - last_print >= float(stop["progress_every_s"]):
+                self._look_for_collapse(now, version)
                 self._print_progress(now, version)
                 last_print = now
             if self.sequence is None:
@@ -382,11 +386,24 @@ class Launch:
             self.rate.update(now, version)
         return version
 
+    def _look_for_collapse(self, now: float, version: int) -> None:
+        """One look of the run guard (:mod:`astralight.launch.guard`) at every policy's
+        evaluations and the trainers' curves; each new event is printed as a warning."""
+        if self.sequence is not None or not self.stats:
+            return
+        tables = {m: self.evals if m == self.model_id else _eval_table(self.url, m)
+                  for m in self.eval_models}
+        for event in self.guard.look(round(now - self.t_start, 1), version, tables):
+            print(f"[guard] WARNING {event.source}: {event.message}"
+                  + (" -- stopping (guard.stop)" if self.guard.settings["stop"] else
+                     " (guard.stop: true would stop the run here)"), flush=True)
+
     def _print_progress(self, now: float, version: int) -> None:
         """The progress line (kept in launch.log only when quiet)."""
         line = progress_line(now - self.t_start, self.target, self.stats, self.evals,
                              self.model_id, self.rate.text(now, version, self.target,
                                                            self.budget_end))
+        line += self.guard.progress_text()
         down = self.sup.down()
         line += f" | restarting {sorted(down)}" if down else ""
         sequence = self.sequence
@@ -399,9 +416,13 @@ class Launch:
     def _begin_stop_if_reached(self, now: float, version: int) -> None:
         """Start the stop sequence once a stop condition is reached."""
         reason = self.conditions.reached(now, version, self.evals, self.sup.finished_trainers())
-        if reason is None:
+        if reason is None and self.guard.stop_requested:
+            reason = GUARD
+            self.stop_detail = f"guard.stop: {self.guard.events[0].message}"
+        elif reason is None:
             return
-        self.stop_detail = self.conditions.describe(reason, version, self.evals)
+        else:
+            self.stop_detail = self.conditions.describe(reason, version, self.evals)
         print(f"[launch] stopping: {self.stop_detail}", flush=True)
         self.sequence = StopSequence(
             reason, now, [c for c in self.comps if c.kind == "trainer"], self.eval_models,
@@ -439,6 +460,8 @@ class Launch:
                            "final_versions": sequence.final_versions,
                            "final_eval_complete": sequence.eval_complete}
         summary["balance"] = self.balance.last
+        summary["guard_events"] = [event.as_dict() for event in self.guard.events]
+        summary["warnings"] = [f"{event.kind} ({event.source})" for event in self.guard.events]
         summary["trainer_wait_fraction"] = trainer_wait_fraction(summary["counters"])
         summary["wall_s_to_085"] = wall_s_to_accuracy(
             Path(self.recipe["dataflow"].get("state_dir") or self.run_dir / "dataflow"), model_id,

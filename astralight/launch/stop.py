@@ -16,7 +16,8 @@ that every stop goes through.
 - ``progress_every_s`` (default 5): seconds between progress lines.
 
 Every stop -- versions reached, trainers finished on their own (e.g. Lightning ``max_time``),
-``max_wall_s``, ``target_accuracy``, ``timeout`` -- goes through :class:`StopSequence`: trainers
+``max_wall_s``, ``target_accuracy``, ``timeout``, the run guard (``guard.stop``:
+:mod:`astralight.launch.guard`) -- goes through :class:`StopSequence`: trainers
 still running get SIGTERM, on which ``astralight fit`` ends its fit as if ``max_steps`` were
 reached (:mod:`astralight.graceful_stop`: the last checkpoint saved, the last version published);
 then the last version of each policy is evaluated (``POST /v1/eval``, whatever ``eval.every``
@@ -40,7 +41,8 @@ TRAINERS_FINISHED = "trainers_finished"  # the trainers ended earlier by themsel
 MAX_WALL = "max_wall_s"
 TARGET_ACCURACY = "target_accuracy"
 TIMEOUT = "timeout"
-STOP_REASONS = (VERSIONS, TRAINERS_FINISHED, MAX_WALL, TARGET_ACCURACY, TIMEOUT)
+GUARD = "guard"                          # the run guard saw a collapse (guard.stop: true)
+STOP_REASONS = (VERSIONS, TRAINERS_FINISHED, MAX_WALL, TARGET_ACCURACY, TIMEOUT, GUARD)
 
 #: seconds a politely stopped trainer gets on top of ``final_eval_timeout_s`` (its
 #: DataflowMonitor may wait for the final evaluation before it exits) before SIGINT

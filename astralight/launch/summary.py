@@ -20,9 +20,10 @@ TIME_TO_ACCURACY = 0.85
 """The accuracy ``wall_s_to_085`` in the summary is measured to."""
 
 #: the keys of the short line, in print order (absent ones are left out)
-SHORT_KEYS = ("eval_accuracy_start", "eval_accuracy_end", "eval_version_end", "versions",
-              "samples_trained", "wall_s", "trainer_wait_fraction", "wall_s_to_085",
-              "stop_reason", "run_dir")
+SHORT_KEYS = ("eval_accuracy_start", "eval_accuracy_end", "eval_version_end",
+              "eval_accuracy_best", "eval_version_best", "tool_call_rate_start",
+              "tool_call_rate_end", "versions", "samples_trained", "wall_s",
+              "trainer_wait_fraction", "wall_s_to_085", "stop_reason", "warnings", "run_dir")
 
 
 def policy_stats(stats: dict, model_id: str) -> dict:
@@ -76,6 +77,8 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
     ``final_version`` is the run's last version: ``eval_accuracy_end`` is its complete
     evaluation's avg@k (None when that evaluation did not complete: an earlier version's
     accuracy would misreport where the run ended); ``eval_version_end`` says which version it is.
+    ``eval_accuracy_best`` / ``eval_version_best``: the best complete evaluation (the earliest
+    of equals), so a run that ended below its best says so.
     ``samples_trained`` counts fresh and replayed samples in acknowledged batches (what the
     trainer stepped on); ``rollouts_generated`` counts train samples the rollout services
     produced, before any filter (the rollout cost); ``counters`` is the policy's whole stats entry;
@@ -85,6 +88,8 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
     pol = policy_stats(stats, model_id)
     final = evals[final_version] if final_version in complete else None
     start = evals[complete[0]] if complete else None
+    best_version = (max(complete, key=lambda v: (float(evals[v].get("avg_at_k") or 0.0), -v))
+                    if complete else None)
     tools = {}
     if start is not None and "tool_call_rate" in start:  # a tool-calling workflow
         tools = {"tool_call_rate_start": start["tool_call_rate"],
@@ -94,6 +99,8 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "eval_accuracy_end": final["avg_at_k"] if final else None,
         "eval_version_end": final_version if final else None,
         "eval_pass_at_k_end": final.get("pass_at_k") if final else None,
+        "eval_accuracy_best": evals[best_version]["avg_at_k"] if complete else None,
+        "eval_version_best": best_version,
         **tools,
         "eval_versions": complete,
         "eval": {v: {key: evals[v][key] for key in
@@ -155,12 +162,13 @@ def wall_s_to_accuracy(state_dir: Path, model_id: str, evals: dict, threshold: f
 def short_summary(summary: dict) -> dict:
     """The handful of numbers a person reads at the end of a run (:data:`SHORT_KEYS`), plus
     ``summary`` (where the full record is) and, for a multi-policy run, each policy's end
-    accuracy; accuracies rounded to 4 digits."""
+    accuracy; accuracies and rates rounded to 4 digits."""
     out: dict[str, Any] = {}
     for key in SHORT_KEYS:
         if key in summary:
             value = summary[key]
-            out[key] = round(value, 4) if isinstance(value, float) and "accuracy" in key else value
+            rounded = isinstance(value, float) and ("accuracy" in key or "rate" in key)
+            out[key] = round(value, 4) if rounded else value
     if summary.get("policies"):
         out["policies"] = {
             m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in p.items()

@@ -26,7 +26,7 @@ def test_the_short_line_holds_the_headline_numbers_and_where_the_rest_is(tmp_pat
     assert len(json.dumps(summary)) > 10_000 and len(line) < 500
     short = json.loads(line)
     assert short == {"eval_accuracy_start": 0.2, "eval_accuracy_end": 0.95, "eval_version_end": 150,
-                     "versions": 150, "samples_trained": 38400, "wall_s": 200.04,
+                     "eval_accuracy_best": 0.95, "eval_version_best": 150, "versions": 150, "samples_trained": 38400, "wall_s": 200.04,
                      "trainer_wait_fraction": 0.63, "wall_s_to_085": 61.7,
                      "stop_reason": "versions", "run_dir": str(tmp_path / "run"),
                      "summary": str(tmp_path / "run" / "summary.json")}
@@ -57,3 +57,19 @@ def test_summary_json_is_the_full_record(tmp_path):
     path = write_summary(tmp_path, summary)
     assert path == tmp_path / "summary.json"
     assert json.loads(path.read_text())["per_version"] == summary["per_version"]
+
+
+def test_a_collapsed_run_says_so_in_its_last_line(tmp_path):
+    """The tool-use run that rose to 0.57 and fell to 0.00 (issue 37): the last line carries the
+    best evaluation next to the last, the tool-call rates and the guard's warnings."""
+    curve = {0: 0.16, 10: 0.54, 20: 0.57, 30: 0.44, 40: 0.42, 50: 0.06, 60: 0.0}
+    evals = {v: {"complete": True, "avg_at_k": a, "tool_call_rate": 0.9 - v / 100}
+             for v, a in curve.items()}
+    summary = build_summary({"models": {"policy": {"current_version": 60}}}, evals, None,
+                            "policy", final_version=60)
+    summary.update(stop_reason="versions", warnings=["eval_drop (policy)"])
+    short = short_summary(summary)
+    assert (short["eval_accuracy_end"], short["eval_accuracy_best"],
+            short["eval_version_best"]) == (0.0, 0.57, 20)
+    assert (short["tool_call_rate_start"], short["tool_call_rate_end"]) == (0.9, 0.3)
+    assert short["warnings"] == ["eval_drop (policy)"]

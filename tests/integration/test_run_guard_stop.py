@@ -1,0 +1,62 @@
+"""The run guard on a real run (issue 37): a shortened toy run whose reward falls to 0 after its
+first rollouts (a reward plugin that stops paying, loaded by import path) is caught from the
+trainer's own TensorBoard curve, warned about, and -- with ``guard.stop: true`` -- stopped through
+the usual stop sequence: ``stop_reason: guard``, the event in ``summary.json`` and the warning in
+the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.integration.recipes import shortened_toy_recipe
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VERSIONS = 400  # never reached: the guard stops the run first
+
+FALLING_REWARD = '''
+"""Pays 1.0 for the first rewards it gives, then nothing: a train reward that collapses."""
+from astralight.rewards.base import Reward
+
+
+class FallingReward(Reward):
+    cheap = True
+
+    def __init__(self, paid: int = 300):
+        self.left = paid
+
+    def __call__(self, completion, metadata):
+        self.left -= 1
+        return 1.0 if self.left >= 0 else 0.0
+'''
+
+
+def test_a_collapsing_reward_is_caught_and_stops_the_run(tmp_path):
+    path = shortened_toy_recipe(tmp_path, versions=VERSIONS)
+    (tmp_path / "falling_reward.py").write_text(FALLING_REWARD)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["pythonpath"] = ["."]
+    recipe["raas"][0]["workflow"]["init_args"]["reward"] = {
+        "class_path": "falling_reward.FallingReward", "init_args": {"paid": 300}}
+    recipe["guard"] = {"window": 3, "stop": True}
+    recipe["stop"].update(timeout_s=900, final_eval_timeout_s=120, progress_every_s=2)
+    path.write_text(yaml.safe_dump(recipe))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "astralight.cli", "run", str(path),
+                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "guard", summary["stop"]
+    assert summary["stop"]["detail"].startswith("guard.stop: train reward fell to 0.000")
+    assert 0 < summary["versions"] < VERSIONS
+    kinds = [(e["kind"], e["source"]) for e in summary["guard_events"]]
+    assert ("reward_drop", "policy") in kinds
+    assert "[guard] WARNING policy: train reward fell" in proc.stdout
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["stop_reason"] == "guard" and "reward_drop (policy)" in last["warnings"]
