@@ -260,3 +260,5 @@ async def read_json(request: Any, max_bytes: int) -> Any:
         raise bad_request("body", f"not valid JSON ({exc})") from None
     except RecursionError:
         raise bad_request("body", "JSON nested too deeply") from None
+    except ValueError as exc:  # an integer past Python's digit limit (4,300 digits)
+        raise bad_request("body", f"not JSON we read ({str(exc)[:80]})") from None

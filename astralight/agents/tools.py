@@ -148,18 +148,33 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def _loads(text: str) -> Any:
+    """``json.loads``, with what it raises besides a syntax error turned into one ValueError: a
+    nesting deeper than the interpreter's recursion limit (``RecursionError`` at about 1,000
+    levels) and an integer longer than Python's digit limit (a ``ValueError`` that is not a
+    ``JSONDecodeError``). A model can write either; neither may crash the episode."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at {exc.pos})") from None
+    except RecursionError:
+        raise ValueError("not JSON we read (nested too deeply)") from None
+    except ValueError as exc:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(f"not JSON we read ({str(exc)[:80]})") from None
+
+
 def _parse_one(body: str) -> ToolCall:
     try:
-        obj = json.loads(body.strip())
-    except json.JSONDecodeError as exc:
-        return ToolCall(error=("malformed", f"not JSON ({exc.msg} at {exc.pos})"))
+        obj = _loads(body.strip())
+    except ValueError as exc:
+        return ToolCall(error=("malformed", str(exc)))
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(error=("malformed", 'expected {"name": "...", "arguments": {...}}'))
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = _loads(args)
+        except ValueError:
             return ToolCall(name=obj["name"], error=("malformed", "arguments is not a JSON object"))
     if not isinstance(args, dict):
         return ToolCall(name=obj["name"], error=("malformed", "arguments is not a JSON object"))

@@ -412,3 +412,21 @@ def test_forced_sampling_is_the_default_and_overrides_a_hard_coded_seed(endpoint
     (spec,) = [spec for _, spec in engine.requests[before:]]
     assert spec.temperature == 0.9
     assert spec.seed == SamplingSpec(temperature=0.9, seed=5).for_request(2, "t").seed != 42
+
+
+def test_json_the_parser_cannot_read_is_a_400_naming_the_body(endpoint, engine):
+    """Issue 41, item 8: an integer of 5,000 digits (Python's ``json`` refuses past 4,300 with a
+    plain ``ValueError``) was a 500; nesting past the recursion limit was already a 400."""
+    def call(base_url, key):
+        out = []
+        for raw in ('{"model": "policy", "seed": ' + "9" * 5000 + ', "messages": []}',
+                    '{"model": "policy", "messages": ' + "[" * 5000 + "]" * 5000 + "}"):
+            r = httpx.post(f"{base_url}/chat/completions", content=raw,
+                           headers={"Authorization": f"Bearer {key}",
+                                    "Content-Type": "application/json"}, timeout=30)
+            out.append((r.status_code, r.json().get("error", r.json()).get("param")))
+        return out
+
+    out, records = in_episode(endpoint, engine, call)
+    assert out == [(400, "body"), (400, "body")]
+    assert records == [] and engine.requests == []
