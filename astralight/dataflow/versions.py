@@ -59,11 +59,14 @@ def check_manifest(manifest: WeightManifest, current: int, jump: int, stored: se
         raise ServiceError(422, "manifest.base_version",
                            f"base version {manifest.base_version} is not published "
                            f"(current {current})")
-    if manifest.kind == "delta" and manifest.base_version > 0 and \
-            manifest.base_version not in stored:
+    # version 0 is the initial model every RaaS starts from, so a delta on it is appliable while
+    # it is current; once later versions are out no receiver holds it any more
+    if manifest.kind == "delta" and manifest.base_version not in stored and \
+            not (manifest.base_version == 0 and current == 0):
         raise ServiceError(422, "manifest.base_version",
                            f"base version {manifest.base_version} is not stored (never "
-                           "published, or garbage-collected); publish a full version")
+                           "published, or garbage-collected; version 0, the initial model, only "
+                           "while it is current); publish a full version")
     if not manifest.files:
         raise ServiceError(422, "manifest.files", "must list at least one file")
     for name, info in manifest.files.items():

@@ -136,6 +136,37 @@ def test_delta_onto_a_collected_or_unpublished_base_is_refused(tmp_path):
     core.close()
 
 
+def test_a_delta_on_the_initial_model_is_refused_once_later_versions_are_out(tmp_path):
+    """Issue 41, item 11: a delta on base version 0 was accepted at any current version, though
+    no RaaS holds version 0 once it has moved on, so none could apply it."""
+    core = make_core(tmp_path, weights_keep_s=3600)
+    seq = states(3)
+    on_init = ArtifactBuilder("policy", full_every=0)
+    on_init.build(0, seq[0])  # the initial model, never published
+    publish_all(core, ArtifactBuilder("policy", full_every=0), seq[:2])  # full v1, delta v2
+    late = on_init.build(3, seq[2])
+    assert late.manifest.kind == "delta" and late.manifest.base_version == 0
+    for name, data in late.files.items():
+        upload(core, 3, name, data)
+    with pytest.raises(ServiceError) as info:
+        core.publish(late.manifest)
+    assert info.value.status == 422 and info.value.field == "manifest.base_version"
+    assert "version 0, the initial model, only while it is current" in str(info.value)
+    assert core.current_version("policy") == 2
+    core.close()
+    # while version 0 is current, a delta on it is the first publication and is accepted
+    fresh = make_core(tmp_path / "fresh")
+    first = ArtifactBuilder("policy", full_every=0)
+    first.build(0, seq[0])
+    art = first.build(1, seq[1])
+    assert art.manifest.kind == "delta" and art.manifest.base_version == 0
+    for name, data in art.files.items():
+        upload(fresh, 1, name, data)
+    fresh.publish(art.manifest)
+    assert fresh.current_version("policy") == 1
+    fresh.close()
+
+
 def test_restart_rebuilds_the_index_collects_and_purges_trash(tmp_path):
     core = make_core(tmp_path, weights_keep_s=3600)
     publish_all(core, ArtifactBuilder("policy", full_every=2), states(4))  # fulls 1, 3
