@@ -29,7 +29,8 @@ def bearer_digest(token: str) -> bytes:
 
 class LoopbackGuard:
     """ASGI middleware around the whole app: bearer token (constant time), no browser
-    requests (Origin header, non-loopback Host), counted. Lifespan events pass.
+    requests (Origin header, non-loopback Host), counted; more than one ``Host`` header is a 400
+    (which one a proxy and the app would read differs). Lifespan events pass.
 
     Args:
         app: the ASGI app it guards.
@@ -52,9 +53,13 @@ class LoopbackGuard:
         self.count("requests")
         auth = [v for k, v in scope["headers"] if k == b"authorization"]
         got = hashlib.sha256(auth[0] if len(auth) == 1 else b"").digest()
-        host = headers.get(b"host", b"").decode("latin-1").rsplit(":", 1)[0].strip("[]")
+        hosts = [v for k, v in scope["headers"] if k == b"host"]
+        host = (hosts[0] if hosts else b"").decode("latin-1").rsplit(":", 1)[0].strip("[]")
         refusal = None
-        if not hmac.compare_digest(got, self.expected):
+        if len(hosts) > 1:  # which one a proxy or the app reads differs: refuse, never pick one
+            refusal = RequestError(400, "host", f"host: {len(hosts)} Host headers; send one",
+                                   "duplicate_host")
+        elif not hmac.compare_digest(got, self.expected):
             self.count("auth_failures")
             refusal = RequestError(401, "authorization", "authorization: missing or wrong "
                                    "bearer token; pass the api_key the agent was given",

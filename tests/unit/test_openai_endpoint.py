@@ -430,3 +430,29 @@ def test_json_the_parser_cannot_read_is_a_400_naming_the_body(endpoint, engine):
     out, records = in_episode(endpoint, engine, call)
     assert out == [(400, "body"), (400, "body")]
     assert records == [] and engine.requests == []
+
+
+def test_two_host_headers_are_refused_not_the_last_one_read():
+    """Issue 41, item 9: the guard read the last of two ``Host`` headers; a request could name
+    a loopback host to one reader and another host to the next. Refused whatever they say."""
+    from astralight.raas.openai_guard import LoopbackGuard, bearer_digest
+
+    counts, reached, sent = [], [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope)
+
+    async def send(message):
+        sent.append(message)
+
+    guard = LoopbackGuard(app, bearer_digest("k"), counts.append)
+    for hosts in ([b"evil.example", b"127.0.0.1"], [b"127.0.0.1", b"127.0.0.1:8000"]):
+        sent.clear()
+        scope = {"type": "http", "headers": [(b"authorization", b"Bearer k")]
+                 + [(b"host", h) for h in hosts]}
+        asyncio.run(guard(scope, None, send))
+        assert sent[0]["status"] == 400
+        assert json.loads(sent[1]["body"])["error"]["param"] == "host"
+    ok = {"type": "http", "headers": [(b"authorization", b"Bearer k"), (b"host", b"127.0.0.1")]}
+    asyncio.run(guard(ok, None, send))
+    assert len(reached) == 1 and counts.count("refused") == 2
