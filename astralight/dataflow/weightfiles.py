@@ -111,8 +111,24 @@ class WeightFiles:
         self.root.mkdir(parents=True, exist_ok=True)
         self._hashes: dict[Path, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, sha256)
 
-    def path(self, model_id: str, version: int, name: str) -> Path:
-        return self.root / model_id / str(int(version)) / check_file_name(name)
+    def path(self, model_id: str, version: int, name: str, field: str = "name") -> Path:
+        """Where a weight file lives; refused (409 naming ``field``) when any part of it below
+        the store's root is a symbolic link (:meth:`no_links`)."""
+        return self.no_links(self.root / model_id / str(int(version)) / check_file_name(name, field),
+                             field)
+
+    def no_links(self, path: Path, field: str) -> Path:
+        """``path`` unless a folder or file of it below the root is a symbolic link: a link
+        planted in the state folder would make uploads write, and downloads read, outside it.
+        The store never creates one, so one found there is refused, not followed."""
+        here = self.root
+        for part in path.relative_to(self.root).parts:
+            here = here / part
+            if here.is_symlink():
+                raise ServiceError(409, field, f"{here} is a symbolic link inside the weight "
+                                               f"store {self.root}: the dataflow never follows "
+                                               "one; remove it from the state folder")
+        return path
 
     async def receive(self, model_id: str, version: int, name: str, chunks: AsyncIterator[bytes],
                       limit: int) -> tuple[Path, str, int]:
@@ -183,7 +199,7 @@ class WeightFiles:
                field: str = "name") -> tuple[str, int] | None:
         """(sha256, size) of a stored file, or None if it was never uploaded. A bad name or a
         file system error raises a ServiceError naming ``field`` (:func:`fs_error`)."""
-        path = self.root / model_id / str(int(version)) / check_file_name(name, field)
+        path = self.path(model_id, version, name, field)
         try:
             st = path.stat()
         except (FileNotFoundError, NotADirectoryError):

@@ -194,3 +194,28 @@ def test_gc_can_be_disabled(tmp_path):
     core.close()
     with pytest.raises(ValueError, match="weights_keep_s"):
         DataflowConfig(state_dir=str(tmp_path / "x"), weights_keep_s=-1)
+
+
+def test_symlinks_planted_in_the_weight_store_are_refused_not_followed(tmp_path):
+    """Issue 41, item 12: uploads and downloads followed symbolic links planted in the state
+    folder, writing and reading outside it. Every part of a weight file's path below the store
+    is now checked: a link is a 409 naming the field, and nothing outside is touched."""
+    core = make_core(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"not a weight")
+    root = core.weights.root
+    (root / "policy").symlink_to(outside, target_is_directory=True)  # the model's folder
+    with pytest.raises(ServiceError) as info:
+        upload(core, 1, "model.safetensors", b"weights")
+    assert info.value.status == 409 and "symbolic link" in str(info.value)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]  # nothing written there
+    (root / "policy").unlink()
+    (root / "policy" / "1").mkdir(parents=True)
+    (root / "policy" / "1" / "model.safetensors").symlink_to(outside / "secret")  # a file
+    with pytest.raises(ServiceError) as info:
+        core.weights.sha256("policy", 1, "model.safetensors", "manifest.files[model.safetensors]")
+    assert info.value.status == 409 and info.value.field == "manifest.files[model.safetensors]"
+    with pytest.raises(ServiceError):
+        core.weights.path("policy", 1, "model.safetensors")
+    core.close()
