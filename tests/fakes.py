@@ -768,11 +768,13 @@ class FakeMonitorClient:
     """``stats`` and ``eval_results`` from dicts; ``eval_completions`` from ``completions``
     (``{version: rows}``; None: the route is missing, as on an older service: it raises);
     ``request_eval`` recorded and answered by ``on_request_eval(evals, version)`` (it may raise,
-    or fill ``evals`` as the service would once the eval ran)."""
+    or fill ``evals`` as the service would once the eval ran); ``info`` says evals run every
+    ``eval_every`` versions."""
 
     def __init__(self, stats: dict, evals: dict | None = None, on_request_eval=None,
-                 completions: dict | None = None):
-        self._stats, self._evals = stats, evals or {}
+                 completions: dict | None = None, eval_every: int = 10):
+        self._stats, self._evals = stats, evals if evals is not None else {}
+        self.eval_every = eval_every
         self.eval_requests: list[tuple[str, int]] = []
         self._on_request_eval = on_request_eval
         self._completions = completions
@@ -783,6 +785,9 @@ class FakeMonitorClient:
         if self._completions is None:
             raise RuntimeError("404 Not Found: /v1/eval/policy/4/completions")
         return list(self._completions.get(version, []))[:limit]
+
+    def info(self) -> dict:
+        return {"eval": {"enabled": True, "every": self.eval_every}}
 
     def stats(self) -> dict:
         return self._stats
