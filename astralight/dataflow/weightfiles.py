@@ -124,7 +124,11 @@ class WeightFiles:
         here = self.root
         for part in path.relative_to(self.root).parts:
             here = here / part
-            if here.is_symlink():
+            try:
+                link = here.is_symlink()
+            except OSError:  # unreadable or a name the file system refuses: the operation on
+                break        # the path then fails with its own error (fs_error names it)
+            if link:
                 raise ServiceError(409, field, f"{here} is a symbolic link inside the weight "
                                                f"store {self.root}: the dataflow never follows "
                                                "one; remove it from the state folder")
