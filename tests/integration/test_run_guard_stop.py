@@ -44,7 +44,9 @@ def test_a_collapsing_reward_is_caught_and_stops_the_run(tmp_path):
     recipe["pythonpath"] = ["."]
     recipe["raas"][0]["workflow"]["init_args"]["reward"] = {
         "class_path": "falling_reward.FallingReward", "init_args": {"paid": 300}}
-    recipe["guard"] = {"window": 3, "stop": True}
+    # the eval would see the fall too (its first eval is paid, the next not); off here, so the
+    # train curve read from the trainer's TensorBoard is what must catch it
+    recipe["guard"] = {"window": 3, "stop": True, "eval_drop": None}
     recipe["stop"].update(timeout_s=900, final_eval_timeout_s=120, progress_every_s=2)
     path.write_text(yaml.safe_dump(recipe))
     run_dir = tmp_path / "run"
