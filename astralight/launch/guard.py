@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from astralight.launch.summary import best_complete_version
+
 #: ``recipe.guard`` keys and their defaults (None: that check is off)
 GUARD_DEFAULTS: dict[str, Any] = {"enabled": True, "eval_drop": 0.25, "reward_drop": 0.5,
                                   "length_factor": 4.0, "malformed_rate": 0.5,
@@ -132,7 +134,7 @@ def eval_drop_event(evals: dict[int, dict], share: float, source: str,
     done = sorted(v for v, r in evals.items() if r.get("complete"))
     if len(done) < 2:
         return None
-    best_v = max(done, key=lambda v: (float(evals[v].get("avg_at_k") or 0.0), -v))
+    best_v = best_complete_version(evals)
     best = float(evals[best_v].get("avg_at_k") or 0.0)
     last_v = done[-1]
     last = float(evals[last_v].get("avg_at_k") or 0.0)

@@ -48,6 +48,15 @@ def final_eval(evals: dict[int, dict]) -> dict:
     return out
 
 
+def best_complete_version(evals: dict[int, dict]) -> int | None:
+    """The version of the best complete evaluation (highest avg@k, the earliest of equals);
+    None when none is complete."""
+    complete = [v for v, r in evals.items() if r.get("complete")]
+    if not complete:
+        return None
+    return max(complete, key=lambda v: (float(evals[v].get("avg_at_k") or 0.0), -v))
+
+
 def rollout_capacity_seconds(instances: list[dict] | None) -> float | None:
     """Sum over the dataflow's instance table of ``alive_s x capacity_units``: what the rollout
     pool cost, in capacity-unit seconds (None when the table does not say how long each lived)."""
@@ -88,8 +97,7 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
     pol = policy_stats(stats, model_id)
     final = evals[final_version] if final_version in complete else None
     start = evals[complete[0]] if complete else None
-    best_version = (max(complete, key=lambda v: (float(evals[v].get("avg_at_k") or 0.0), -v))
-                    if complete else None)
+    best_version = best_complete_version(evals)
     tools = {}
     if start is not None and "tool_call_rate" in start:  # a tool-calling workflow
         tools = {"tool_call_rate_start": start["tool_call_rate"],
@@ -192,7 +200,7 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     return write_atomic(Path(run_dir) / "summary.json", json.dumps(summary, indent=2))
 
 
-__all__ = ["TIME_TO_ACCURACY", "SHORT_KEYS", "policy_stats", "final_eval",
+__all__ = ["TIME_TO_ACCURACY", "SHORT_KEYS", "policy_stats", "final_eval", "best_complete_version",
            "rollout_capacity_seconds", "read_pool_history", "build_summary",
            "trainer_wait_fraction", "wall_s_to_accuracy", "short_summary", "short_line",
            "write_summary"]

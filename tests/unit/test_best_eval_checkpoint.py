@@ -6,25 +6,12 @@ from __future__ import annotations
 
 import json
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from astralight.callbacks import BestEvalCheckpoint, WeightPublisher
-from astralight.datamodules import RolloutDataModule
-from astralight.policy import M2POPolicy
 from tests.fakes import FakeDataflowClient, FakeMonitorClient
-
-
-def fit(model_dir, callbacks, fake, max_steps):
-    dm = RolloutDataModule("http://127.0.0.1:9", model_id="policy", batch_size=4)
-    dm.client = fake
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks, log_every_n_steps=1)
-    fake.trainer = trainer
-    trainer.fit(M2POPolicy(str(model_dir), lr=1e-3), datamodule=dm)
-    return trainer
+from tests.unit.publisher_fit import fit
 
 
 def test_the_best_evaluated_version_is_kept_and_the_rest_settled(tiny_model_dir, tmp_path):
@@ -36,7 +23,7 @@ def test_the_best_evaluated_version_is_kept_and_the_rest_settled(tiny_model_dir,
              6: {"complete": False, "avg_at_k": 0.1}}
     best = BestEvalCheckpoint(str(tmp_path / "ckpt"), every_n_steps=1)
     best.client = FakeMonitorClient({}, evals=evals, eval_every=2)
-    trainer = fit(tiny_model_dir, [publisher, best], fake, max_steps=6)
+    _, trainer = fit(tiny_model_dir, fake, [publisher, best], max_steps=6)
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == ["best.ckpt", "best.json", "version=6.ckpt"]
     assert json.loads((tmp_path / "ckpt" / "best.json").read_text()) == {
@@ -57,4 +44,4 @@ def test_it_needs_a_publisher_and_sane_settings(tiny_model_dir, tmp_path):
     best = BestEvalCheckpoint(str(tmp_path / "ckpt"))
     best.client = FakeMonitorClient({})
     with pytest.raises(ValueError, match="needs a WeightPublisher"):
-        fit(tiny_model_dir, [best], FakeDataflowClient(tiny_model_dir), max_steps=1)
+        fit(tiny_model_dir, FakeDataflowClient(tiny_model_dir), [best], max_steps=1)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from astralight.callbacks import WeightPublisher
-from astralight.datamodules import RolloutDataModule, collate_batch
+from astralight.datamodules import collate_batch
 from astralight.policy import M2POPolicy
 from astralight.rl.mismatch import mismatch_metrics
 from tests.fakes import FakeDataflowClient
+from tests.unit.publisher_fit import fit
 
 
 def test_the_statistics_by_hand():
@@ -75,14 +76,8 @@ def test_a_fit_step_logs_the_mismatch_of_on_policy_tokens(tiny_model_dir):
     publisher = WeightPublisher(every_n_steps=1, worker="thread")
     publisher.client = fake
     record = RecordMismatch()
-    dm = RolloutDataModule("http://127.0.0.1:9", model_id="policy", batch_size=4)
-    dm.client = fake
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[publisher, record],
-                         log_every_n_steps=1)
-    fake.trainer = trainer
-    trainer.fit(M2POPolicy(str(tiny_model_dir), lr=1e-3, minibatches=2), datamodule=dm)
+    fit(tiny_model_dir, fake, [publisher, record], max_steps=2,
+        policy=M2POPolicy(str(tiny_model_dir), lr=1e-3, minibatches=2))
     # step 0 trains version 0's weights on samples of version 0: all measured, the noise seen
     first = record.rows[0]
     assert first["train/mismatch_tokens"] > 0
