@@ -19,6 +19,15 @@ from torch import Tensor
 from astralight.rl.kl import clamped_log_ratio, masked_mean, ratio_metrics
 
 
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float,
+                      eps_high: float) -> tuple[Tensor, Tensor]:
+    """Per token ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and where the clipped
+    term is the active one (PPO's pessimistic bound)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def ppo_clip_loss(
     logp: Tensor,
     logp_behaviour: Tensor,
@@ -40,14 +49,12 @@ def ppo_clip_loss(
     m = mask.bool()
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = clamped_log_ratio(logp, logp_behaviour, m)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clipped_active = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps,
+                                                  eps_high)
     loss = masked_mean(per_token, m, n_tokens)
     metrics = {
         "pg_loss": loss.detach(),
-        "clip_fraction": masked_mean((clipped > unclipped).float(), m).detach(),
+        "clip_fraction": masked_mean(clipped_active.float(), m).detach(),
         **ratio_metrics(log_ratio, m),
     }
     return loss, metrics
@@ -87,16 +94,14 @@ def truncated_is_ppo_loss(
     m = mask.bool()
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = clamped_log_ratio(logp, logp_proximal.detach(), m)
-    ratio = torch.exp(log_ratio)
     behaviour = clamped_log_ratio(logp_proximal.detach(), logp_behaviour, m)
     weight = torch.exp(behaviour).clamp(max=is_cap)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-    per_token = weight * torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token, m, n_tokens)
+    surrogate, clipped_active = clipped_surrogate(torch.exp(log_ratio), advantages, clip_eps,
+                                                  eps_high)
+    loss = masked_mean(weight * surrogate, m, n_tokens)
     metrics = {
         "pg_loss": loss.detach(),
-        "clip_fraction": masked_mean((clipped > unclipped).float(), m).detach(),
+        "clip_fraction": masked_mean(clipped_active.float(), m).detach(),
         "is_weight_mean": masked_mean(weight, m).detach(),
         "is_truncated_fraction": masked_mean((torch.exp(behaviour) > is_cap).float(), m).detach(),
         **ratio_metrics(behaviour, m),
