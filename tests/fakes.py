@@ -445,11 +445,13 @@ class FakeDataflowClient:
     given temperature), so the first step is on-policy and later ones go progressively
     off-policy, as in a real run. Group rewards are random 0/1; advantages are GRPO
     group-normalised like the dataflow's. ``trainer``: set by a test to record the optimizer step
-    at each ack (``acks``: ``(batch_id, step)``).
+    at each ack (``acks``: ``(batch_id, step)``). ``group_rewards(batch_number, group_size)``
+    replaces the random rewards (e.g. all groups solved: every advantage 0).
     """
 
     def __init__(self, model_dir, model_id: str = "policy", temperature: float = 1.0,
-                 group_size: int = 2, seed: int = 0, logprob_noise: float = 0.0):
+                 group_size: int = 2, seed: int = 0, logprob_noise: float = 0.0,
+                 group_rewards=None):
         from astralight.hf_models import causal_lm_from_pretrained
 
         self.model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -457,6 +459,7 @@ class FakeDataflowClient:
         self.temperature = temperature
         self.group_size = group_size
         self.logprob_noise = logprob_noise
+        self.group_rewards = group_rewards
         self.rng = np.random.default_rng(seed)
         self.served: list[str] = []
         self.acks: list[tuple[str, int | None]] = []
@@ -477,6 +480,8 @@ class FakeDataflowClient:
         for g in range(n_groups):
             task_id = f"task-{len(self.served)}-{g}"
             rewards = self.rng.integers(0, 2, self.group_size).astype(float)
+            if self.group_rewards is not None:
+                rewards = np.asarray(self.group_rewards(len(self.served), self.group_size), float)
             for k in range(self.group_size):
                 prompt_len = int(self.rng.integers(3, 6))
                 gen_len = int(self.rng.integers(2, 7))

@@ -100,6 +100,15 @@ class RLPolicy(pl.LightningModule):
             all. The batch is still one Lightning step: ``global_step``, ``max_steps``, the
             published version and checkpoint intervals count batches, as with one update.
         grad_clip: max global gradient norm (``None`` or 0: no clipping, norm still logged).
+        skip_empty_updates: an update whose gradient is exactly zero everywhere (every token's
+            advantage 0 and no KL, entropy or unlikelihood term: a minibatch of all-correct or
+            all-failed groups) leaves the optimizer untouched instead of stepping it. AdamW
+            steps on a zero gradient still move every weight by its momentum, scaled by a
+            second moment that decays while nothing is learnt, so after convergence a lone
+            failure followed by quiet updates drifts the policy several times further than its
+            own update would (seen: a run at 1.00 accuracy fell to 0.43, its ratios moving to
+            0.23 over five all-zero updates). ``global_step``, the version and the learning
+            rate schedule still advance. ``False``: step anyway, as TRL and PyTorch do.
         normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
         seed: torch seed set at fit start.
         gradient_checkpointing: trade compute for activation memory in the HF model.
@@ -145,6 +154,7 @@ class RLPolicy(pl.LightningModule):
         minibatches: int = 1,
         batch_passes: int = 1,
         grad_clip: float | None = 1.0,
+        skip_empty_updates: bool = True,
         normalize_advantages: bool = False,
         seed: int = 0,
         gradient_checkpointing: bool = False,
@@ -209,6 +219,7 @@ class RLPolicy(pl.LightningModule):
         self.minibatches = minibatches
         self.batch_passes = batch_passes
         self.grad_clip = grad_clip
+        self.skip_empty_updates = skip_empty_updates
         self.normalize_advantages = normalize_advantages
         self.seed = seed
         self.gradient_checkpointing = gradient_checkpointing
@@ -538,8 +549,14 @@ class RLPolicy(pl.LightningModule):
     def _optimizer_update(self, opt, last: bool) -> Tensor:
         """Clip, step and zero the gradients; returns the clipped-before norm. Only the batch's
         last update goes through the LightningOptimizer (which counts ``global_step``); the
-        others go straight to the strategy, so the precision plugin still wraps them."""
+        others go straight to the strategy, so the precision plugin still wraps them. With
+        :attr:`skip_empty_updates` an all-zero gradient is dropped (``grad = None``) before the
+        step: torch optimizers skip parameters without a gradient, so their state (momentum,
+        second moment, step count) and the weights stay as they are, while the step is still
+        counted."""
         grad_norm = self._clip_and_norm()
+        if self.skip_empty_updates and float(grad_norm) == 0.0:
+            opt.zero_grad(set_to_none=True)
         if last:
             opt.step()
         else:
@@ -568,7 +585,8 @@ class RLPolicy(pl.LightningModule):
             updates.append((step_metrics, self._optimizer_update(opt, last=i == len(plan) - 1)))
         metrics = updates[0][0] if len(updates) == 1 else mean_over_updates(
             [m for m, _ in updates])
-        grad_norm = torch.stack([g.detach().float() for _, g in updates]).mean()
+        norms = torch.stack([g.detach().float() for _, g in updates])
+        grad_norm = norms.mean()
 
         now = time.perf_counter()
         wait_s = float(batch.get("wait_s", 0.0) or 0.0)
@@ -582,6 +600,9 @@ class RLPolicy(pl.LightningModule):
 
         metrics.update(self._batch_stats(batch, prepared))
         metrics["grad_norm"] = grad_norm
+        # the share of this batch's updates with no gradient at all (skipped or, with
+        # skip_empty_updates false, stepped on momentum alone)
+        metrics["empty_update_fraction"] = (norms == 0).float().mean()
         metrics["lr"] = torch.tensor(lr)
         if len(plan) > 1:
             metrics["updates"] = torch.tensor(float(len(plan)))

@@ -567,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", choices=sorted(TASKS), default="facts")
     ap.add_argument("--config", choices=sorted(CONFIGS), default="defaults",
                     help="astralight's recipe keys: the toy's defaults, or TRL's GRPO (parity)")
-    ap.add_argument("--seeds", type=int, default=1, help="seeds per arm (0..N-1)")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per arm (FIRST..FIRST+N-1)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the first seed (to add seeds to an earlier invocation's)")
     ap.add_argument("--budget-s", type=float, default=600.0)
     ap.add_argument("--points", type=int, default=10, help="eval points after the start")
     ap.add_argument("--trl-lr", type=float, default=3e-4)
@@ -587,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms: a comma-separated list of astra and trl, got {args.arms!r}")
     if args.seeds < 1:
         ap.error(f"--seeds: at least 1, got {args.seeds}")
+    if args.first_seed < 0:
+        ap.error(f"--first-seed: at least 0, got {args.first_seed}")
     if args.budget_s <= 0:
         ap.error(f"--budget-s: must be > 0, got {args.budget_s}")
     out = args.out_dir.resolve()
@@ -601,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = config_keys(args.config, args.task, args.trl_lr) + args.astra_set
     astra: list[dict] | None = [] if "astra" in arms else None
     trl: list[dict] | None = [] if "trl" in arms else None
-    for seed in range(args.seeds):  # the arms interleaved, so load drifts touch both alike
+    for seed in range(args.first_seed, args.first_seed + args.seeds):  # the arms interleaved, so load drifts touch both alike
         seed_out = out / f"seed{seed}"
         seed_out.mkdir(exist_ok=True)
         if astra is not None:
@@ -625,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                     cache[snap] = evaluate(init, Path(snap) if snap else None, args.task)
                 row["acc"] = cache[snap]
     result = {"bench": "vs_trl", "task": args.task, "config": args.config, "seeds": args.seeds,
+              "first_seed": args.first_seed,
               "budget_s": args.budget_s, "trl_lr": args.trl_lr, "astra_set": overrides,
               **figures(astra, trl, load_before)}
     plot(result, args.png or out / "accuracy.png", args.task)

@@ -206,8 +206,9 @@ def test_several_updates_per_batch_stay_one_step(tiny_model_dir, tmp_path):
     optimizer and the schedule, while ``global_step`` (versions, max_steps) counts batches and
     every batch is acknowledged once."""
     fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3)
+    # every update steps AdamW, the empty ones too (M2PO may mask all of a 2-sample part)
     policy = M2POPolicy(str(tiny_model_dir), lr=1e-3, warmup_steps=8, minibatches=2,
-                        batch_passes=2)
+                        batch_passes=2, skip_empty_updates=False)
     trainer = make_trainer(tmp_path, max_steps=2)
     fake.trainer = trainer
     trainer.fit(policy, datamodule=make_data(fake))
@@ -224,6 +225,46 @@ def test_several_updates_per_batch_stay_one_step(tiny_model_dir, tmp_path):
     assert torch.isfinite(metrics["train/loss"])
 
 
+def _learn_then_solved(batch_number, group_size):
+    """The first batch has a learning signal (one success per group), every later one is
+    solved: all rewards 1, every advantage 0."""
+    return [1.0] + [0.0] * (group_size - 1) if batch_number == 0 else [1.0] * group_size
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_updates_without_a_gradient_leave_the_optimizer_alone(tiny_model_dir, tmp_path, skip):
+    """After one update with a signal, three batches whose advantages are all 0: with
+    ``skip_empty_updates`` (the default) the weights and AdamW's state stay as the first update
+    left them, while the steps, versions and acks still count; without it AdamW keeps moving the
+    weights on momentum alone (what drifted a converged policy into a collapse)."""
+    fake = FakeDataflowClient(tiny_model_dir, group_rewards=_learn_then_solved)
+    after_first = {}
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                after_first.update({k: v.clone() for k, v in module.model.state_dict().items()})
+
+    policy = M2POPolicy(str(tiny_model_dir), lr=1e-3, minibatches=2, skip_empty_updates=skip)
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[Snapshot()])
+    fake.trainer = trainer
+    trainer.fit(policy, datamodule=make_data(fake))
+
+    assert trainer.global_step == 4 and [s for _, s in fake.acks] == [1, 2, 3, 4]
+    assert float(trainer.callback_metrics["train/empty_update_fraction"]) == 1.0
+    assert float(trainer.callback_metrics["train/grad_norm"]) == 0.0
+    adam = policy.optimizers().optimizer
+    steps = {int(state["step"]) for state in adam.state.values()}
+    trained = policy.model.state_dict()
+    moved = [k for k in after_first if not torch.equal(trained[k], after_first[k])]
+    if skip:
+        assert steps == {2}  # the first batch's two updates only
+        assert moved == []
+    else:
+        assert steps == {8}
+        assert moved  # momentum alone moved the weights
+
+
 class _KeepsBatch(M2POPolicy):
     def training_step(self, batch, batch_idx):
         self.seen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -234,7 +275,8 @@ def test_minibatches_equal_sequential_steps_on_the_parts(tiny_model_dir, tmp_pat
     """A fit step with two minibatches is two AdamW steps, each on its half of the batch with
     the half's own context: the same weights as stepping on the halves by hand."""
     fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.4, seed=5)
-    policy = _KeepsBatch(str(tiny_model_dir), lr=1e-2, grad_clip=None, minibatches=2)
+    policy = _KeepsBatch(str(tiny_model_dir), lr=1e-2, grad_clip=None, minibatches=2,
+                         skip_empty_updates=False)  # steps as the loop by hand below does
     make_trainer(tmp_path, max_steps=1).fit(policy, datamodule=make_data(fake))
 
     def by_hand(parts):
