@@ -4,6 +4,10 @@
 template (``add_generation_prompt=True``), generates with ``await engine.generate(ids,
 SamplingSpec)``, decodes, and records the call
 (:class:`~astralight.raas.openai_episodes.CallRecord`).
+Rendering, tokenizing, decoding and tool-call parsing run on the endpoint's worker threads
+(:func:`off_loop`), never on the episode's loop (the RaaS's, shared by every episode); a prompt
+whose rendered length alone proves it cannot fit the context is refused before it is tokenized
+(:func:`refuse_what_cannot_fit`).
 The model's ``<tool_call>{json}</tool_call>`` blocks (Qwen3/Hermes, read by
 :func:`astralight.agents.tools.parse_tool_calls`) become OpenAI ``tool_calls``
 (:func:`split_tool_calls`); :func:`completion_body` lays a record out as OpenAI's
@@ -13,68 +17,186 @@ counting the tokens).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 from astralight.agents.chat import encode, render
-from astralight.agents.tools import parse_tool_calls
+from astralight.agents.token_bound import fewest_tokens, max_chars_per_token
+from astralight.agents.tools import parse_tool_calls, split_at_last_close
 from astralight.engine import SamplingSpec
 from astralight.raas.openai_episodes import CallRecord, Episode
 from astralight.raas.openai_requests import ChatRequest, RequestError, bad_request
 from astralight.workflows.chat_episodes import decode_turn
 
-__all__ = ["complete", "sampling_spec", "split_tool_calls", "completion_body"]
+__all__ = ["complete", "prepare_prompt", "off_loop", "sampling_spec", "split_tool_calls",
+           "completion_body"]
+
+T = TypeVar("T")
 
 _TOOL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
+#: worker threads that render, tokenize and decode for the endpoint's calls (see :func:`off_loop`)
+PREP_WORKERS = 4
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The endpoint's worker threads (started on first use). Not the loop's default executor:
+    the environment steps and tools of every workflow queue there, and a call must not wait
+    behind them (nor they behind a long conversation's tokenization)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=PREP_WORKERS, thread_name_prefix="openai-prep")
+        return _POOL
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the endpoint's worker threads, awaited from the episode's loop.
+
+    Why: the episode's loop is the RaaS's loop, which drives every episode, lease, push and
+    weight refresh; rendering and tokenizing an 8 MiB conversation on it froze them all for
+    about 10 s (issue 41, item 2). The tokenizer releases the interpreter lock while it encodes,
+    and the template rendering is Python code that yields it every few milliseconds."""
+    return await asyncio.get_running_loop().run_in_executor(_pool(), functools.partial(fn, *args))
+
+
+@dataclass
+class Prompt:
+    """A call's prompt as the engine takes it: token ids, the ``room`` left in the context for
+    the completion (None: no limit known), the request's stop strings as token ids and the
+    tools the template was given."""
+
+    ids: list[int]
+    room: int | None
+    stop_ids: list[int]
+    tools: list[dict]
+
+
 async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
-    """Call ``index`` of ``ep``, on the episode's loop: render, generate, parse, record."""
-    engine, s = ep.engine, ep.settings
-    tok = engine.tokenizer
+    """Call ``index`` of ``ep``, on the episode's loop: render and tokenize (off the loop),
+    generate, parse (off the loop), record."""
+    engine = ep.engine
+    prompt = await off_loop(prepare_prompt, ep, req)
+    spec = sampling_spec(ep, req, index, prompt.room, prompt.stop_ids)
+    version = int(engine.version)
+    completion = await engine.generate(prompt.ids, spec)
+    if completion.finish_reason == "abort":
+        raise RequestError(503, None, "the policy engine aborted this call; retry",
+                           "engine_aborted", "server_error")
+    record = await off_loop(call_record, ep, req, index, prompt, completion, version, spec)
+    if not ep.closed:
+        ep.calls.append(record)
+    return record
+
+
+def context_limit(ep: Episode) -> int | None:
+    """Most prompt + completion tokens of a call: the engine's ``max_model_len`` and the
+    episode's ``max_context_tokens``, whichever is smaller (None: neither is known)."""
+    limit = getattr(ep.engine, "max_model_len", None)
+    cap = ep.settings.max_context_tokens
+    if cap is not None:
+        limit = cap if limit is None else min(int(limit), cap)
+    return None if limit is None else int(limit)
+
+
+def prepare_prompt(ep: Episode, req: ChatRequest) -> Prompt:
+    """On a worker thread: the request rendered with the policy's chat template, refused
+    (400 ``context_length_exceeded`` naming ``messages``) when it cannot fit the context --
+    before tokenizing when its length alone proves it --, then tokenized, with its stop strings
+    as single tokens."""
+    tok = ep.engine.tokenizer
     tools = req.tools if req.use_tools else []
-    try:
-        text = render(tok, req.messages, tools, True, **s.chat_template_kwargs)
-    except Exception as exc:  # noqa: BLE001 - a template error is the request's
-        raise bad_request("messages", f"the policy's chat template cannot render them "
-                          f"({type(exc).__name__}: {exc})") from None
-    ids = encode(tok, text)
-    limit = getattr(engine, "max_model_len", None)
-    if s.max_context_tokens is not None:
-        limit = s.max_context_tokens if limit is None else min(int(limit), s.max_context_tokens)
-    room = None if limit is None else int(limit) - len(ids)
+    text = render_prompt(tok, req.messages, tools, ep.settings.chat_template_kwargs)
+    limit = context_limit(ep)
+    refuse_what_cannot_fit(tok, text, limit)
+    ids = encode_prompt(tok, text)
+    room = None if limit is None else limit - len(ids)
     if room is not None and room < 1:
         raise bad_request("messages", f"the conversation is {len(ids)} tokens; the policy's "
                           f"context holds {limit} (prompt and completion)",
                           "context_length_exceeded")
-    stop_ids = []
-    for j, stop in enumerate(req.stop):
-        sid = encode(tok, stop)
-        if len(sid) != 1:
-            raise bad_request(f"stop[{j}]" if len(req.stop) > 1 else "stop",
-                              f"{stop!r} is {len(sid)} tokens of the policy's tokenizer; only "
+    return Prompt(ids, room, stop_token_ids(tok, req.stop), tools)
+
+
+def render_prompt(tok: Any, messages: list[dict], tools: list[dict], kwargs: dict) -> str:
+    """The chat template's text of a request (generation prompt added); a template error is a
+    400 naming ``messages`` (it is the request's)."""
+    try:
+        return render(tok, messages, tools, True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's
+        raise bad_request("messages", f"the policy's chat template cannot render them "
+                          f"({type(exc).__name__}: {exc})") from None
+
+
+def refuse_what_cannot_fit(tok: Any, text: str, limit: int | None) -> None:
+    """A 400 ``context_length_exceeded`` naming ``messages``, without tokenizing, for a
+    rendered prompt longer than ``limit`` tokens of the longest text any one token of the
+    policy's tokenizer covers (:func:`~astralight.agents.token_bound.fewest_tokens`: a bound that
+    never refuses a prompt that fits; a tokenizer that vouches for none skips this check)."""
+    if limit is None:
+        return
+    fewest = fewest_tokens(tok, text)
+    if fewest >= limit:
+        raise bad_request("messages", f"the conversation is at least {fewest} tokens "
+                          f"({len(text)} characters rendered, at most "
+                          f"{max_chars_per_token(tok)} per token of the policy's tokenizer); the "
+                          f"policy's context holds {limit} (prompt and completion); shorten the "
+                          "conversation", "context_length_exceeded")
+
+
+def encode_prompt(tok: Any, text: str) -> list[int]:
+    """The rendered prompt's token ids; a text the tokenizer refuses is a 400 naming
+    ``messages`` (the request's text, never the engine's fault)."""
+    try:
+        return encode(tok, text)
+    except Exception as exc:  # noqa: BLE001 - e.g. text the tokenizer cannot encode
+        raise bad_request("messages", f"the policy's tokenizer cannot encode them "
+                          f"({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def stop_token_ids(tok: Any, stops: list[str]) -> list[int]:
+    """The token id of each stop string; one that is not exactly one token is a 400 naming
+    ``stop`` (or ``stop[j]``), refused without tokenizing when it is longer than any token."""
+    most = max_chars_per_token(tok)
+    out = []
+    for j, stop in enumerate(stops):
+        where = f"stop[{j}]" if len(stops) > 1 else "stop"
+        if most is not None and len(stop) > most:
+            raise bad_request(where, f"{stop[:40]!r} is {len(stop)} characters, longer than any "
+                              f"one token of the policy's tokenizer ({most} at most); only "
                               "single-token stop sequences are supported")
-        stop_ids.append(sid[0])
-    spec = sampling_spec(ep, req, index, room, stop_ids)
-    version = int(engine.version)
-    completion = await engine.generate(ids, spec)
-    if completion.finish_reason == "abort":
-        raise RequestError(503, None, "the policy engine aborted this call; retry",
-                           "engine_aborted", "server_error")
-    out = decode_turn(tok, completion)
-    content, calls, errors = split_tool_calls(out, tools, ep.id, index)
-    record = CallRecord(
-        index=index, model_id=ep.model_id, prompt_ids=list(ids),
+        sid = encode_prompt(tok, stop)
+        if len(sid) != 1:
+            raise bad_request(where, f"{stop!r} is {len(sid)} tokens of the policy's tokenizer; "
+                              "only single-token stop sequences are supported")
+        out.append(sid[0])
+    return out
+
+
+def call_record(ep: Episode, req: ChatRequest, index: int, prompt: Prompt, completion: Any,
+                version: int, spec: SamplingSpec) -> CallRecord:
+    """On a worker thread: the completion decoded, its tool calls parsed, as a record (a long
+    completion's decoding and parsing stays off the episode's loop too)."""
+    out = decode_turn(ep.engine.tokenizer, completion)
+    content, calls, errors = split_tool_calls(out, prompt.tools, ep.id, index)
+    return CallRecord(
+        index=index, model_id=ep.model_id, prompt_ids=list(prompt.ids),
         completion_ids=[int(t) for t in completion.token_ids],
         logprobs=[float(x) for x in completion.logprobs],
         versions=[int(v) for v in completion.token_versions(version)],
         finish_reason=completion.finish_reason, version=version, messages=req.messages,
-        tools=tools, text=out, content=content, tool_calls=calls, tool_call_errors=errors,
-        temperature=float(spec.temperature))
-    if not ep.closed:
-        ep.calls.append(record)
-    return record
+        tools=prompt.tools, text=out, content=content, tool_calls=calls,
+        tool_call_errors=errors, temperature=float(spec.temperature))
 
 
 def sampling_spec(ep: Episode, req: ChatRequest, index: int, room: int | None,
@@ -117,7 +239,8 @@ def split_tool_calls(text: str, tools: list[dict], episode_id: str,
                                    "arguments": json.dumps(c.arguments, ensure_ascii=False)}})
     if not calls:
         return text, [], errors
-    content = _TOOL_BLOCK.sub("", text).strip()
+    head, tail = split_at_last_close(text)  # the block regex on the head only: one pass
+    content = (_TOOL_BLOCK.sub("", head) + tail).strip()
     return content or None, calls, errors
 
 

@@ -30,7 +30,9 @@ How a request is served:
    as for :class:`~astralight.workflows.tool_agent.ToolAgentWorkflow`; there
    :func:`~astralight.raas.openai_completions.complete` renders the messages and ``tools`` with
    the policy tokenizer's chat template (``add_generation_prompt=True``), generates with
-   ``await engine.generate(ids, SamplingSpec)``, decodes, and records the call;
+   ``await engine.generate(ids, SamplingSpec)``, decodes, and records the call; the rendering,
+   tokenizing and decoding run on worker threads, never on that loop, and a prompt whose
+   rendered length proves it cannot fit the context is refused before it is tokenized;
 3. the model's ``<tool_call>{json}</tool_call>`` blocks (Qwen3/Hermes, read by
    :func:`astralight.agents.tools.parse_tool_calls`) become OpenAI ``tool_calls`` (``arguments``
    a JSON string; ``content`` the text outside the blocks, null when empty; ``finish_reason``
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import secrets
 import socket
@@ -190,7 +193,7 @@ class OpenAIEndpoint:
 
         def error(exc: RequestError) -> JSONResponse:
             self._count("refused")
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return ErrorResponse(exc.body(), status_code=exc.status)
 
         @app.get("/v1/episodes/{episode_id}/models")
         async def models(episode_id: str):
@@ -254,7 +257,8 @@ class OpenAIEndpoint:
             with self._lock:
                 ep.pending.discard(fut)
         self._count("calls")
-        return completion_body(ep, record, req.logprobs)
+        # off this server's loop: with logprobs, every token is decoded on its own
+        return await asyncio.to_thread(completion_body, ep, record, req.logprobs)
 
     def _count(self, name: str) -> None:
         """Add one to ``counters[name]`` (from the HTTP thread or the guard)."""
@@ -266,6 +270,15 @@ class OpenAIEndpoint:
         return RequestError(404, "episode_id", f"episode_id: {ep.id!r} ended (the agent's "
                             "episode timed out or finished) while this call was made",
                             "episode_not_found")
+
+
+class ErrorResponse(JSONResponse):
+    """A refusal's JSON with every non-ASCII character escaped: a message that quotes what the
+    request sent (a field name, a value) can never fail to encode (a lone surrogate has no
+    UTF-8 form), so a refusal is never turned into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 _SHARED: OpenAIEndpoint | None = None

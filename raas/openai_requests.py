@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["RequestError", "ChatRequest", "parse_request", "read_json", "bad_request",
-           "MAX_BODY_BYTES", "MAX_MESSAGES", "MAX_TOOLS", "MAX_STOP", "ROLES", "KNOWN_FIELDS",
-           "IGNORED_FIELDS"]
+           "refuse_lone_surrogates", "MAX_BODY_BYTES", "MAX_MESSAGES", "MAX_TOOLS", "MAX_STOP",
+           "ROLES", "KNOWN_FIELDS", "IGNORED_FIELDS"]
 
 #: most bytes of one request body (a long conversation with tool results fits many times over)
 MAX_BODY_BYTES = 8 << 20
@@ -247,18 +248,71 @@ def parse_request(body: Any) -> ChatRequest:
 
 async def read_json(request: Any, max_bytes: int) -> Any:
     """The JSON body of a Starlette ``request``: a body over ``max_bytes`` is a 413, one that is
-    not JSON (or nested too deeply to parse) a 400 naming ``body``; an empty body is ``None``."""
+    not UTF-8 JSON (or nested too deeply to parse) a 400 naming ``body``, a lone surrogate in it
+    a 400 naming its field (:func:`refuse_lone_surrogates`); an empty body is ``None``."""
     size, chunks = 0, []
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
             raise RequestError(413, "body", f"body: larger than {max_bytes} bytes")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks) or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    raw = b"".join(chunks) or b"null"
+    try:  # UTF-8 only (RFC 8259): json.loads would also guess UTF-16/32, where the escape
+        # search below would miss a lone surrogate
+        body = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise bad_request("body", f"must be JSON in UTF-8 ({exc.reason} at byte {exc.start})"
+                          ) from None
+    except json.JSONDecodeError as exc:
         raise bad_request("body", f"not valid JSON ({exc})") from None
     except RecursionError:
         raise bad_request("body", "JSON nested too deeply") from None
     except ValueError as exc:  # an integer past Python's digit limit (4,300 digits)
         raise bad_request("body", f"not JSON we read ({str(exc)[:80]})") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        refuse_lone_surrogates(body)
+    return body
+
+
+#: a JSON escape of a UTF-16 surrogate (``\\ud800``-``\\udfff``): the only way a body that is
+#: valid UTF-8 can put a lone surrogate into a string (a false hit only costs a walk)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a surrogate code point (one JSON escape of a pair is decoded into
+    the pair's character, so any surrogate left is a lone one)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def refuse_lone_surrogates(body: Any) -> None:
+    """A 400 naming the field for a lone UTF-16 surrogate anywhere in ``body``: in a string
+    value (named by its path, ``messages[0].content``, ``stop``, ``tools[0].function.name``)
+    or in a field name (named by the object holding it, ``body`` at the top).
+
+    Why: JSON lets ``"\\ud800"`` through, but the text has no UTF-8 form, so the tokenizer (and
+    any answer quoting it) would fail on it: a 500 for bad input. The walk is iterative, so no
+    nesting depth the parser accepted can exhaust the stack here."""
+    todo = [(body, "")]
+    while todo:
+        value, where = todo.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                raise bad_request(where or "body", "holds a lone UTF-16 surrogate (a \\ud800-"
+                                  "\\udfff escape that is not half of a pair); send valid "
+                                  "Unicode text", "invalid_unicode")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_lone_surrogate(key):
+                    raise bad_request(where or "body", f"a field name holds a lone UTF-16 "
+                                      f"surrogate ({ascii(key)[:60]}); send valid Unicode names",
+                                      "invalid_unicode")
+                todo.append((item, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where or 'body'}[{i}]") for i, item in enumerate(value))

@@ -139,13 +139,28 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every ``<tool_call>{json}</tool_call>`` block of ``text``, in order; an unclosed
     ``<tool_call>`` or a block that is not ``{"name": str, "arguments": object}`` becomes a
     call with ``error=("malformed", why)``."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        calls.append(_parse_one(m.group(1)))
-    tail = text[text.rfind("</tool_call>") + len("</tool_call>"):] if calls else text
+    head, tail = split_at_last_close(text)
+    calls = [_parse_one(m.group(1)) for m in _TOOL_CALL.finditer(head)]
+    if not calls:
+        tail = text
     if "<tool_call>" in tail:
         calls.append(ToolCall(error=("malformed", "<tool_call> without </tool_call>")))
     return calls
+
+
+def split_at_last_close(text: str) -> tuple[str, str]:
+    """``text`` cut after its last ``</tool_call>`` (``("", text)`` when it has none).
+
+    Why: the block regex is only ever run on the head, where every ``<tool_call>`` has a close
+    after it, so it finds each block in one pass. On the whole text, each unclosed
+    ``<tool_call>`` of the tail makes it scan to the end of the text and fail: quadratic in a
+    long completion (thousands of them), inside one regex call that holds the interpreter lock,
+    so it would freeze every thread of the RaaS, its event loop included."""
+    end = text.rfind("</tool_call>")
+    if end < 0:
+        return "", text
+    end += len("</tool_call>")
+    return text[:end], text[end:]
 
 
 def _loads(text: str) -> Any:

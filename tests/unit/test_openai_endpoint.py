@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -456,3 +457,209 @@ def test_two_host_headers_are_refused_not_the_last_one_read():
     ok = {"type": "http", "headers": [(b"authorization", b"Bearer k"), (b"host", b"127.0.0.1")]}
     asyncio.run(guard(ok, None, send))
     assert len(reached) == 1 and counts.count("refused") == 2
+
+
+# ------------------------------------------------- issue 41: malformed text, the frozen loop
+
+
+class WatchedTokenizer:
+    """The chat tokenizer, recording on which thread it renders (``render``), encodes
+    (``encode``) and decodes an assistant turn (``decode_turn``: ``skip_special_tokens``), and
+    the length of every text it encodes; ``gate(text)`` runs before each encode."""
+
+    def __init__(self, inner, gate=None):
+        self._inner, self._gate = inner, gate
+        self.threads: list[tuple[str, int]] = []
+        self.encoded: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __call__(self, text, **kwargs):
+        self.threads.append(("encode", threading.get_ident()))
+        self.encoded.append(len(text))
+        if self._gate is not None:
+            self._gate(text)
+        return self._inner(text, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.threads.append(("render", threading.get_ident()))
+        return self._inner.apply_chat_template(*args, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        if kwargs.get("skip_special_tokens"):
+            self.threads.append(("decode_turn", threading.get_ident()))
+        return self._inner.decode(ids, **kwargs)
+
+
+def test_rendering_tokenizing_and_decoding_run_off_the_episode_loop(endpoint, tok):
+    """Issue 41, item 2: a call was rendered and tokenized on the episode's loop (the RaaS's),
+    so one 8 MiB conversation froze every episode, lease, push and weight refresh for ~10 s.
+
+    No clock: while the prompt is being encoded, the encode waits for a coroutine of the
+    episode's loop to run. Off the loop it does at once; on the loop it cannot (the wait times
+    out and records False)."""
+    encoding, loop_ran, seen = threading.Event(), threading.Event(), []
+
+    def gate(text):
+        if "GATE" in text:
+            encoding.set()
+            seen.append(loop_ran.wait(timeout=5))
+
+    wtok = WatchedTokenizer(tok, gate)
+    eng = PromptScriptEngine(calculator, wtok, max_model_len=512)
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        return client.chat.completions.create(
+            model="policy", tools=EXAMPLE.TOOLS,
+            messages=[{"role": "user", "content": "GATE 123+456="}])
+
+    async def main():
+        ep = endpoint.open_episode(eng, "policy")
+
+        async def the_rest_of_the_raas():
+            while not encoding.is_set():
+                await asyncio.sleep(0.005)
+            loop_ran.set()
+
+        other = asyncio.create_task(the_rest_of_the_raas())
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(
+                None, call, endpoint.base_url(ep.id), endpoint.token)
+        finally:
+            endpoint.close_episode(ep.id)
+            other.cancel()
+        return threading.get_ident(), reply
+
+    try:
+        loop_thread, reply = asyncio.run(main())
+    finally:
+        eng.close()
+    assert seen == [True]
+    assert reply.choices[0].message.tool_calls[0].function.name == "add"
+    assert {"render", "encode", "decode_turn"} <= {what for what, _ in wtok.threads}
+    assert [what for what, thread in wtok.threads if thread == loop_thread] == []
+
+
+def test_a_conversation_too_long_to_fit_is_refused_before_it_is_tokenized(endpoint, tok):
+    """Issue 41, item 2: the context check came after tokenizing. Every token of the chat
+    tokenizer stands for at most 16 characters (its longest added token), so 100 messages of
+    2,000 characters cannot fit 512 tokens: refused without encoding them. A conversation that
+    fits is still served (the bound never refuses one that fits)."""
+    wtok = WatchedTokenizer(tok)
+    eng = PromptScriptEngine(calculator, wtok, max_model_len=512)
+    long = [{"role": "user", "content": "x" * 2000}] * 100
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="policy", messages=long)
+        encoded_before_the_fitting_call = list(wtok.encoded)
+        client.chat.completions.create(model="policy", messages=MSGS, max_tokens=8)
+        return err.value.body, encoded_before_the_fitting_call
+
+    try:
+        (body, encoded), records = in_episode(endpoint, eng, call)
+    finally:
+        eng.close()
+    assert body["param"] == "messages" and body["code"] == "context_length_exceeded"
+    assert "at least" in body["message"] and "512" in body["message"]
+    assert encoded == []  # the long conversation was never tokenized
+    assert len(records) == 1 and records[0].prompt_ids == encode(tok, render(tok, MSGS, None, True))
+
+
+def test_a_stop_longer_than_any_token_is_refused_before_it_is_tokenized(endpoint, tok):
+    """A stop string must be one token; one longer than any token is refused without encoding
+    it (a 1 MB stop string used to be tokenized on the loop)."""
+    wtok = WatchedTokenizer(tok)
+    eng = PromptScriptEngine(calculator, wtok, max_model_len=512)
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="policy", messages=MSGS, stop="y" * 100_000)
+        return err.value.body
+
+    try:
+        body, records = in_episode(endpoint, eng, call)
+    finally:
+        eng.close()
+    assert body["param"] == "stop" and "longer than any" in body["message"]
+    assert 100_000 not in wtok.encoded and records == []
+
+
+#: a lone UTF-16 surrogate as the JSON escape a client can send (json.dumps never writes one)
+LONE = "\\ud800"
+OK_MESSAGES = '[{"role": "user", "content": "123+456="}]'
+
+
+def _body(**fields: str) -> str:
+    """A raw JSON body: ``model`` and ``messages`` unless given, then ``fields`` (raw JSON)."""
+    fields = {"model": '"policy"', "messages": OK_MESSAGES, **fields}
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+
+
+def test_lone_surrogates_and_unreadable_integers_are_400s_naming_the_field(endpoint, engine):
+    """Issue 41, item 8: a lone surrogate in a message, in ``stop``, in a tool name or in a
+    field name answered 500 (the tokenizer cannot encode it; a refusal quoting a field name
+    could not be written as UTF-8), and so did one in a UTF-16 body (the parser guessed the
+    encoding); a surrogate pair is valid text and still served."""
+    cases = [
+        (_body(messages='[{"role": "user", "content": "a' + LONE + 'b"}]'),
+         "messages[0].content"),
+        (_body(stop=f'"{LONE}"'), "stop"),
+        (_body(stop=f'["x", "{LONE}"]'), "stop[1]"),
+        (_body(tools='[{"type": "function", "function": {"name": "' + LONE + '"}}]'),
+         "tools[0].function.name"),
+        ("{" + f'"{LONE}": 1, ' + _body()[1:], "body"),
+        (_body(messages='[{"role": "user", "content": "hi", "x' + LONE + '": 1}]'),
+         "messages[0]"),
+        (_body(tools='[{"type": "function", "function": {"name": "add", "parameters": '
+                     '{"type": "object", "properties": {"' + LONE + '": {}}}}}]'),
+         "tools[0].function.parameters.properties"),
+        (_body(seed="9" * 5000), "body"),  # past Python's 4,300-digit limit
+        (_body(temperature="9" * 4000), "temperature"),  # readable, too large for a float
+        (_body(stop=f'"{LONE}"').encode("utf-16"), "body"),  # JSON must be UTF-8
+    ]
+    pair = _body(messages='[{"role": "user", "content": "hi \\ud83d\\ude00"}]')
+
+    def call(base_url, key):
+        out = []
+        for raw, _ in cases + [(pair, None)]:
+            raw = raw.encode() if isinstance(raw, str) else raw
+            r = httpx.post(f"{base_url}/chat/completions", content=raw,
+                           headers={"Authorization": f"Bearer {key}",
+                                    "Content-Type": "application/json"}, timeout=30)
+            try:
+                error = r.json().get("error") if r.status_code != 200 else None
+            except ValueError:  # not JSON at all (a server error page)
+                error = {"param": None, "message": r.text[:80]}
+            out.append((r.status_code, error and error["param"],
+                        error is None or error["message"].startswith(str(error["param"]))))
+        return out
+
+    out, records = in_episode(endpoint, engine, call)
+    assert out == [(400, param, True) for _, param in cases] + [(200, None, True)]
+    assert len(records) == 1 and len(engine.requests) == 1  # only the pair reached the engine
+
+
+def test_unclosed_tool_call_tags_are_read_in_one_pass():
+    """A completion ending in thousands of unclosed ``<tool_call>`` tags made the block regexes
+    (of ``parse_tool_calls`` and ``split_tool_calls``) scan to its end from each tag: quadratic,
+    inside one regex call that holds the interpreter lock, so no thread -- the RaaS's loop
+    included -- ran meanwhile. Now the regexes run only up to the last ``</tool_call>``.
+
+    The bound is generous on purpose: the one pass takes milliseconds, the old scan of this
+    text about 30 s (7 s for half as many tags: it grows with their square), so 5 s separates
+    them even on a loaded machine."""
+    from astralight.raas.openai_completions import split_tool_calls
+
+    text = "Let me add." + CALL + "<tool_call>" * 8_000
+    start = time.perf_counter()
+    content, calls, errors = split_tool_calls(text, EXAMPLE.TOOLS, "e" * 12, 0)
+    took = time.perf_counter() - start
+    assert [c["function"]["name"] for c in calls] == ["add"]
+    assert errors == {"malformed": 1, "unknown_tool": 0}
+    assert content == "Let me add." + "<tool_call>" * 8_000
+    assert took < 5.0, f"split_tool_calls took {took:.1f} s"
