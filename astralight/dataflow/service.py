@@ -33,6 +33,7 @@ import uvicorn
 from astralight.dataflow.app import create_app
 from astralight.dataflow.auth import MIN_PUBLIC_TOKEN_BYTES, Credentials
 from astralight.dataflow.config import DataflowConfig, parse_config
+from astralight.dataflow.http_connections import ConnectionGuard, fit_fd_limit, guarded_protocol
 
 log = logging.getLogger("astralight.dataflow")
 
@@ -151,6 +152,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app, config: DataflowConfig) -> uvicorn.Config:
+    """How uvicorn serves ``app``: TLS from the config, no access log, and the connection guard
+    of :mod:`astralight.dataflow.http_connections` (``header_timeout_s``, ``max_connections``)
+    in place of uvicorn's plain HTTP protocol, which never times out a request head and whose
+    ``limit_concurrency`` would refuse valid requests under a flood of stalled connections; the
+    limit is fitted to the file-descriptor limit (:func:`fit_fd_limit`).
+    ``ws="none"``: the service has no WebSocket route, and an upgraded connection would leave
+    the guard."""
+    guard = ConnectionGuard(config.header_timeout_s, fit_fd_limit(config.max_connections))
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                          access_log=False, timeout_graceful_shutdown=5, lifespan="on",
+                          ssl_certfile=config.tls_certfile, ssl_keyfile=config.tls_keyfile,
+                          http=guarded_protocol(guard), ws="none")
+
+
 def serve(config: DataflowConfig) -> None:
     credentials = Credentials.from_env(config.model_ids)
     check_bind(config.host, credentials, config.allow_insecure_public_bind,
@@ -159,11 +175,7 @@ def serve(config: DataflowConfig) -> None:
     sock = listen_socket(config.host, config.port)
     try:
         app = create_app(config, credentials=credentials)
-        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on",
-                                   ssl_certfile=config.tls_certfile,
-                                   ssl_keyfile=config.tls_keyfile)
-        _Server(uv_config, app).run(sockets=[sock])
+        _Server(uvicorn_config(app, config), app).run(sockets=[sock])
     finally:
         sock.close()
 

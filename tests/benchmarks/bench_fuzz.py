@@ -39,7 +39,12 @@ service that has no token (each must be 403 ``host``; :func:`host_drill`); ``bou
 sends a trainer token bound to ``policy`` acting on ``other`` to a third service with both
 model_ids (each must be 403 ``model_id``; :func:`bound_model_drill`); ``token_start``
 starts the service with a blank token and on a public address with a short one (each must exit
-2 without serving; :func:`token_start_drill`).
+2 without serving; :func:`token_start_drill`); ``slow_headers`` stalls 300 connections with half
+a request head on a fourth service (``max_connections`` 128, ``header_timeout_s`` 3), then every
+valid request must be answered and every stalled connection closed (:func:`slow_headers_drill`).
+``openai`` sends the RaaS's OpenAI endpoint lone surrogates, 5,000-digit integers, calls whose
+completion holds an unreadable tool call and 8 MiB conversations, and watches its episode loop
+for freezes (issue 41, items 2, 4 and 8; :func:`openai_drill`).
 
 It prints ``requests``, ``status_5xx`` (must be 0), ``crashes`` (the process died or stopped
 answering ``/v1/info``: must be 0), ``accepted_bad`` (must be 0: a bad request answered 2xx --
@@ -1231,17 +1236,19 @@ def state_changes(before: dict, after: dict) -> dict:
 
 
 def start_service(tmp: Path, token: str, max_body_bytes: int, max_weight_file_bytes: int,
-                  scoped: dict[str, str] | None = None, model_ids: tuple[str, ...] = ("policy",)):
+                  scoped: dict[str, str] | None = None, model_ids: tuple[str, ...] = ("policy",),
+                  overrides: dict | None = None):
     """The service on 127.0.0.1 with ``ASTRALIGHT_TOKEN`` = ``token`` (none when empty) and,
     from ``scoped``, the scoped tokens ``ASTRALIGHT_ROLLOUT_TOKEN`` / ``..._TRAINER_...`` /
-    ``..._ADMIN_...``."""
+    ``..._ADMIN_...``; ``overrides``: more config keys."""
     cfg = tmp / "dataflow.yaml"
     cfg.write_text(json.dumps({"host": "127.0.0.1", "port": 0, "state_dir": str(tmp / "state"),
                                "group_size": 2, "log_level": "ERROR", "lease_seconds": 3600,
                                "max_body_bytes": max_body_bytes,
                                "max_weight_file_bytes": max_weight_file_bytes,
                                "model_ids": list(model_ids),
-                               "temperatures": {m: TEMPERATURE for m in model_ids}}))
+                               "temperatures": {m: TEMPERATURE for m in model_ids},
+                               **(overrides or {})}))
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith("ASTRALIGHT_") and k.endswith(("_TOKEN", "_TOKEN_FILE")))}
     if token:  # (set but empty would stop the service: a blank token is refused)
@@ -1411,6 +1418,259 @@ def bound_model_drill(tmp: Path, rng: random.Random, n: int, max_body: int, max_
                           "model_id")
 
 
+#: the ``openai`` drill (:func:`openai_drill`): bad requests sent to the RaaS's OpenAI endpoint
+OPENAI_DRILL_REQUESTS = 200
+#: ... and how many 8 MiB conversations (4,096 messages) it sends, each with calls beside it
+OPENAI_HUGE_CONVERSATIONS = 2
+#: a gap of the episode loop longer than this is a freeze (counted in ``crashes``): the loop
+#: only waits for the interpreter lock now (a few 0.1 s at most for an 8 MiB body's JSON)
+OPENAI_LOOP_FREEZE_S = 1.0
+#: a lone UTF-16 surrogate as the JSON escape a client can send (json.dumps never writes one)
+_LONE = "\\ud800"
+_DEEP = "[" * 1200 + "]" * 1200
+#: what the drill's scripted policy answers to a prompt holding ``reply NAME`` (issue 41, item 4:
+#: tool calls no JSON parser here can read; each must be a malformed call, never a 500)
+OPENAI_BAD_REPLIES = {
+    "deep_object": '<tool_call>{"name": "add", "arguments": {"a": ' + _DEEP + "}}</tool_call>",
+    "deep_string": "<tool_call>" + json.dumps({"name": "add", "arguments": '{"a": ' + _DEEP + "}"})
+                   + "</tool_call>",
+    "huge_int": '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>",
+    "unclosed_tags": "<tool_call>" * 20_000,
+}
+_ADD_TOOL = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}]
+
+
+def _openai_body(rng: random.Random, **raw_fields: str) -> bytes:
+    """A chat request body as raw JSON text (so it can hold escapes json.dumps never writes):
+    ``model`` and one user message unless given, then ``raw_fields`` (raw JSON values)."""
+    fields = {"model": '"policy"',
+              "messages": json.dumps([{"role": "user", "content": f"{rng.randrange(999)}+1="}]),
+              **raw_fields}
+    return ("{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+
+def gen_openai_surrogate(rng: random.Random) -> tuple[bytes, str]:
+    """Issue 41, item 8: a lone surrogate in a message, ``stop``, a tool name or a field name."""
+    text = "".join(rng.choice("ab ") for _ in range(rng.randrange(8)))
+    bad = text + rng.choice([_LONE, "\\udfff", "\\udc00"]) + text
+    where = rng.randrange(7)
+    if where == 0:
+        return _openai_body(rng, messages=f'[{{"role": "user", "content": "{bad}"}}]'), \
+            "messages[0].content"
+    if where == 1:
+        return _openai_body(rng, stop=f'"{bad}"'), "stop"
+    if where == 2:
+        return _openai_body(rng, stop=f'["x", "{bad}"]'), "stop[1]"
+    if where == 3:
+        tools = f'[{{"type": "function", "function": {{"name": "{bad}"}}}}]'
+        return _openai_body(rng, tools=tools), "tools[0].function.name"
+    if where == 4:
+        return b"{" + f'"{bad}": 1, '.encode() + _openai_body(rng)[1:], "body"
+    if where == 5:
+        message = f'[{{"role": "user", "content": "1+1=", "{bad}": 2}}]'
+        return _openai_body(rng, messages=message), "messages[0]"
+    params = f'{{"type": "object", "properties": {{"{bad}": {{}}}}}}'
+    tools = f'[{{"type": "function", "function": {{"name": "add", "parameters": {params}}}}}]'
+    return _openai_body(rng, tools=tools), "tools[0].function.parameters.properties"
+
+
+def gen_openai_huge_int(rng: random.Random) -> tuple[bytes, str]:
+    """Issue 41, item 8: an integer of 5,000 digits (past Python's 4,300-digit limit) in any
+    field: a 400 naming ``body`` (the parser cannot read it, so no field is known)."""
+    big = "9" * rng.randrange(4400, 6000)
+    name = rng.choice(["seed", "max_tokens", "temperature", "n", "top_logprobs"])
+    return _openai_body(rng, **{name: big}), "body"
+
+
+def _huge_conversation(rng: random.Random, max_body: int) -> bytes:
+    """Issue 41, item 2: 4,096 messages filling a body just under ``max_body`` bytes."""
+    size = (max_body - 4096) // 4096 - len('{"role": "assistant", "content": ""}, ')
+    texts = ["".join(rng.choices("abcdefgh ", k=size)) for _ in range(16)]
+    messages = [{"role": ("user", "assistant")[i % 2], "content": rng.choice(texts)}
+                for i in range(4096)]
+    return json.dumps({"model": "policy", "messages": messages}).encode()
+
+
+def _drill_policy(prompt: str, k: int) -> str:
+    """The drill's scripted policy: one of :data:`OPENAI_BAD_REPLIES` when the prompt asks for
+    it, else a short answer."""
+    for name, reply in OPENAI_BAD_REPLIES.items():
+        if f"reply {name}" in prompt:
+            return reply
+    return "2"
+
+
+class _LoopWatch:
+    """A stand-in for the RaaS's event loop (the one its episodes, leases, pushes and weight
+    refreshes share), on its own thread: a ticker records the longest gap between its ticks."""
+
+    def __init__(self, tick_s: float = 0.005):
+        import asyncio
+        import threading
+
+        self.tick_s, self.max_gap_s, self._stopping = tick_s, 0.0, False
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="drill-raas-loop")
+        self.thread.start()
+        self._ticker = asyncio.run_coroutine_threadsafe(self._tick(), self.loop)
+
+    async def _tick(self) -> None:
+        import asyncio
+
+        last = time.perf_counter()
+        while not self._stopping:
+            await asyncio.sleep(self.tick_s)
+            now = time.perf_counter()
+            self.max_gap_s = max(self.max_gap_s, now - last - self.tick_s)
+            last = now
+
+    def close(self) -> None:
+        self._stopping = True
+        self._ticker.result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+def _judge_openai(counts: Counter, r, expect: str | None) -> None:
+    """Count one answer: ``expect`` is the field its 400 must name, or None for a call that
+    must be served (200) without returning a tool call (its completion's were unreadable)."""
+    counts["requests"] += 1
+    if r is None:
+        counts["no_answer"] += 1
+        return
+    counts[f"status_{r.status_code}"] += 1
+    if r.status_code >= 500:
+        counts["status_5xx"] += 1
+    elif expect is None:
+        if r.status_code != 200:
+            counts["unexpected_status"] += 1
+        elif r.json()["choices"][0]["message"].get("tool_calls"):
+            counts["accepted_bad"] += 1  # an unreadable tool call handed to the agent
+    elif 200 <= r.status_code < 300:
+        counts["accepted_bad"] += 1
+    elif r.status_code != 400 or (r.json().get("error") or {}).get("param") != expect:
+        counts["unexpected_status"] += 1
+
+
+def _post(http, url: str, body: bytes):
+    try:
+        return http.post(url, content=body)
+    except Exception:  # noqa: BLE001 - no answer
+        return None
+
+
+def _huge_with_calls_beside(http, url: str, body: bytes, watch: _LoopWatch,
+                            counts: Counter) -> None:
+    """Send one huge conversation; while it is served, small calls go on beside it, and the
+    episode loop's longest gap is measured. The huge one must be a 400 naming ``messages``."""
+    import threading
+
+    import httpx
+
+    answer: list = []
+
+    def send_huge() -> None:
+        t0 = time.perf_counter()
+        answer.append(_post(http, url, body))
+        answer.append(time.perf_counter() - t0)
+
+    sender = threading.Thread(target=send_huge)
+    beside = []
+    with httpx.Client(timeout=60.0, headers=http.headers) as other:
+        watch.max_gap_s = 0.0
+        sender.start()
+        while sender.is_alive():
+            t1 = time.perf_counter()
+            r = _post(other, url, _openai_body(random.Random(len(beside))))
+            beside.append(time.perf_counter() - t1)
+            _judge_openai(counts, r, None)
+    sender.join()
+    counts["huge_answer_ms"] = max(counts["huge_answer_ms"], round(answer[1] * 1000))
+    counts["calls_beside_huge"] += len(beside)
+    counts["calls_beside_huge_slowest_ms"] = max(counts["calls_beside_huge_slowest_ms"],
+                                                 round(max(beside, default=0) * 1000))
+    counts["loop_gap_during_huge_ms"] = max(counts["loop_gap_during_huge_ms"],
+                                            round(watch.max_gap_s * 1000))
+    _judge_openai(counts, answer[0], "messages")
+    if answer[0] is not None and answer[0].status_code == 400:
+        error = answer[0].json()["error"]
+        counts["huge_refused_" + str(error["code"])] += 1
+        counts["huge_refused_before_tokenizing"] += "at least" in error["message"]
+    if watch.max_gap_s > OPENAI_LOOP_FREEZE_S:
+        counts["loop_freezes"] += 1
+        counts["crashes"] += 1  # every episode, lease, push and weight refresh stood still
+
+
+def openai_drill(rng: random.Random, n: int, huge: int = OPENAI_HUGE_CONVERSATIONS) -> Counter:
+    """``openai`` (issue 41, items 2, 4 and 8): the RaaS's OpenAI endpoint (its real server,
+    started in this process as the RaaS starts it), serving a scripted policy with the tiny chat
+    tokenizer and a 512-token context, whose episode runs on a stand-in for the RaaS's event loop
+    (:class:`_LoopWatch`). It gets ``n`` bad requests -- a lone surrogate in a message, ``stop``,
+    a tool name or a field name, an integer of 5,000 digits (each a 400 naming the field), or a
+    call whose completion holds a tool call no parser reads (nested 1,200 deep, 5,000 digits,
+    20,000 unclosed tags: each served 200 with no tool call) -- then ``huge`` conversations of
+    4,096 messages just under the 8 MiB body limit (each a 400 naming ``messages``, refused
+    before tokenizing) with small calls served beside them. A 5xx counts in ``status_5xx``, a
+    2xx refusal or a returned unreadable tool call in ``accepted_bad``; an episode loop that
+    stood still longer than :data:`OPENAI_LOOP_FREEZE_S` (``loop_freezes``) or an endpoint that
+    stopped serving counts in ``crashes``."""
+    repo = str(Path(__file__).resolve().parents[2])
+    if repo not in sys.path:  # run as a script: the shared engine fakes live in the tests package
+        sys.path.insert(0, repo)
+    import httpx
+
+    from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
+    from astralight.raas.openai_requests import MAX_BODY_BYTES
+    from astralight.tinymodel import build_chat_tokenizer
+    from tests.unit.engine_fakes import PromptScriptEngine
+
+    counts: Counter = Counter()
+    watch = _LoopWatch()
+    engine = PromptScriptEngine(_drill_policy, build_chat_tokenizer(), max_model_len=512)
+    endpoint = OpenAIEndpoint().start()
+    try:
+        ep = endpoint.open_episode(engine, "policy", EpisodeSettings(max_calls=1 << 30),
+                                   loop=watch.loop)
+        url = endpoint.base_url(ep.id) + "/chat/completions"
+        headers = {"Authorization": f"Bearer {endpoint.token}",
+                   "Content-Type": "application/json"}
+        with httpx.Client(timeout=120.0, headers=headers) as http:
+            for _ in range(n):
+                kind = rng.choice(["surrogate", "huge_int", "bad_tool_call"])
+                counts[f"sent_{kind}"] += 1
+                if kind == "bad_tool_call":
+                    reply = rng.choice(sorted(OPENAI_BAD_REPLIES))
+                    body, expect = _openai_body(rng, messages=json.dumps(
+                        [{"role": "user", "content": f"reply {reply}"}]),
+                        tools=json.dumps(_ADD_TOOL)), None
+                else:
+                    body, expect = (gen_openai_surrogate if kind == "surrogate"
+                                    else gen_openai_huge_int)(rng)
+                r = _post(http, url, body)
+                _judge_openai(counts, r, expect)
+                if kind == "bad_tool_call" and r is not None and r.status_code == 200 and \
+                        ep.calls[-1].tool_call_errors["malformed"] < 1:
+                    counts["malformed_not_counted"] += 1  # passed over silently
+                    counts["accepted_bad"] += 1
+            counts["loop_gap_during_bad_requests_ms"] = round(watch.max_gap_s * 1000)
+            for _ in range(huge):
+                _huge_with_calls_beside(http, url, _huge_conversation(rng, MAX_BODY_BYTES),
+                                        watch, counts)
+            after = _post(http, url, _openai_body(rng))
+            serving = after is not None and after.status_code == 200
+            counts["crashes"] += 0 if serving and watch.thread.is_alive() else 1
+    finally:
+        endpoint.close()
+        engine.close()
+        watch.close()
+    return counts
+
+
 def token_start_drill(tmp: Path) -> Counter:
     """``blank_token`` / ``short_public_token``: a service started with a blank
     ``ASTRALIGHT_TOKEN``, or on a public address with a token under 16 bytes, must refuse to
@@ -1433,6 +1693,114 @@ def token_start_drill(tmp: Path) -> Counter:
         counts[f"{name}_exit_{proc.returncode}"] += 1
         if "serving on" in proc.stdout or proc.returncode != 2:
             counts["accepted_bad"] += 1
+    return counts
+
+
+#: the ``slow_headers`` drill: stalled connections (more than its service's max_connections) ...
+SLOW_HEADER_STALLED = 300
+#: ... then valid requests, each on a new connection, that must all be answered ...
+SLOW_HEADER_VALID = 50
+#: ... by a service with these limits
+SLOW_HEADER_LIMITS = {"header_timeout_s": 3.0, "max_connections": 128}
+
+
+def _stalled_connections(url: str, rng: random.Random, n: int, token: str) -> list:
+    """``n`` connections, each sending a random prefix (possibly empty) of a valid request head
+    and then nothing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    head = (f"GET /v1/info HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n").encode()
+    out = []
+    for _ in range(n):
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        try:
+            sock.sendall(head[:rng.randrange(0, len(head) - 1)])  # never the final CRLF
+        except OSError:  # already closed to make room for a newer one
+            pass
+        out.append(sock)
+    return out
+
+
+def _wait_closed(socks: list, bound_s: float) -> list:
+    """What each socket received until the service closed it, waiting up to ``bound_s`` in all
+    (None: still open then)."""
+    import select
+
+    got = {s: b"" for s in socks}
+    open_ = set(socks)
+    deadline = time.monotonic() + bound_s
+    while open_ and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(open_), [], [], 0.5)
+        for sock in ready:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                chunk = b""
+            got[sock] += chunk
+            if not chunk:
+                open_.discard(sock)
+    return [None if s in open_ else got[s] for s in socks]
+
+
+def slow_headers_drill(tmp: Path, rng: random.Random, stalled: int, valid: int, max_body: int,
+                       max_file: int, token: str) -> Counter:
+    """``slow_headers`` (issue 41, item 3): on a service with :data:`SLOW_HEADER_LIMITS` and a
+    token, ``stalled`` connections each send part of a request head and stall; then ``valid``
+    requests with the token, each on a new connection, must all be answered 200 (one that is
+    not counts as a ``crashes``: the service stopped serving), and every stalled connection must
+    be closed (evicted at ``max_connections``, or a 408 after ``header_timeout_s``) within a
+    generous bound: one the service still holds then is an ``accepted_bad``.
+    ``episode_warnings``: the service's log lines for the flood (one is right)."""
+    import httpx
+
+    folder = tmp / "slow-headers"
+    folder.mkdir()
+    proc, url = start_service(folder, token, max_body, max_file,
+                              overrides={**SLOW_HEADER_LIMITS, "log_level": "WARNING"})
+    counts: Counter = Counter()
+    socks: list = []
+    try:
+        socks = _stalled_connections(url, rng, stalled, token)
+        counts["requests"] += stalled
+        slowest = 0.0
+        for _ in range(valid):
+            counts["requests"] += 1
+            t0 = time.perf_counter()
+            try:
+                r = httpx.get(f"{url}/v1/info", headers={"Authorization": f"Bearer {token}"},
+                              timeout=30.0)
+            except Exception:  # noqa: BLE001 - no answer
+                counts["no_answer"] += 1
+                continue
+            slowest = max(slowest, time.perf_counter() - t0)
+            counts[f"status_{r.status_code}"] += 1
+            counts["status_5xx"] += r.status_code >= 500
+            counts["valid_answered_200"] += r.status_code == 200
+        counts["valid_slowest_ms"] = round(slowest * 1000)
+        # a valid request left unanswered: the service stopped serving, what the drill is for
+        counts["crashes"] += counts["valid_answered_200"] != valid
+        t0 = time.perf_counter()
+        answers = _wait_closed(socks, SLOW_HEADER_LIMITS["header_timeout_s"] + 30.0)
+        counts["stalled_all_closed_after_ms"] = round((time.perf_counter() - t0) * 1000)
+        counts["stalled_timed_out_408"] = sum(1 for a in answers
+                                              if a and a.startswith(b"HTTP/1.1 408"))
+        counts["stalled_closed_silently"] = sum(1 for a in answers if a == b"")
+        counts["stalled_left_open"] = sum(1 for a in answers if a is None)
+        counts["accepted_bad"] += counts["stalled_left_open"]
+        alive = proc.poll() is None and httpx.get(
+            f"{url}/v1/info", headers={"Authorization": f"Bearer {token}"},
+            timeout=30.0).status_code == 200
+        counts["crashes"] += 0 if alive else 1
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_process(proc)
+    counts["episode_warnings"] = sum("slow or excess connections:" in line for line in
+                                     (folder / "dataflow.log").read_text(errors="replace")
+                                     .splitlines())
     return counts
 
 
@@ -1501,7 +1869,12 @@ def run(requests: int, seed: int, check_every: int = 250) -> dict:
             per_cat["host"] = host_drill(Path(tmp), rng, HOST_DRILL_REQUESTS, max_body, max_file)
             per_cat["bound_model"] = bound_model_drill(Path(tmp), rng, HOST_DRILL_REQUESTS,
                                                        max_body, max_file, token, scoped)
-            for drill in (per_cat["host"], per_cat["bound_model"]):
+            per_cat["slow_headers"] = slow_headers_drill(Path(tmp), rng, SLOW_HEADER_STALLED,
+                                                         SLOW_HEADER_VALID, max_body, max_file,
+                                                         token)
+            per_cat["openai"] = openai_drill(rng, OPENAI_DRILL_REQUESTS)
+            for drill in (per_cat["host"], per_cat["bound_model"], per_cat["slow_headers"],
+                          per_cat["openai"]):
                 status_5xx += drill["status_5xx"]
                 accepted_bad += drill["accepted_bad"]
                 crashes += drill["crashes"]
