@@ -15,7 +15,26 @@ waits for a lease to expire when it can say so at once:
   return every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
 * rejoin: a heartbeat, lease or push answered 404 for this instance (a dataflow restarted,
   on its old state or a fresh one) registers again under the same instance id, once however
-  many threads noticed.
+  many threads noticed;
+* a new run: the dataflow names its run id (:mod:`astralight.dataflow.run_id`) at registration,
+  in heartbeats and to the weight syncs. Another run than the one this RaaS follows (a dataflow
+  restarted on a fresh ``state_dir``) is said in one line ("the dataflow's run changed (old ->
+  new)"); everything of the old run is dropped: the in-flight tasks (never returned: their ids
+  mean other tasks in the new run) and their samples, queued pushes, and the engines' weights
+  (:meth:`WeightSync.follow_run`). The runner leases again once every engine is on the new run's
+  published version, pulled in full; if the new run has published none yet (its v0 is the
+  initial model, which an engine that loaded the old run's weights no longer holds) the RaaS
+  exits :data:`RUN_CHANGED_EXIT`, to be started again (the launcher does) from the initial
+  model. Why not wait for the new run's first version instead: its trainer needs samples of v0
+  to produce it, so every RaaS waiting would stall the run;
+* taken over: a heartbeat, lease or push refused with 403 ``instance_secret`` (another process
+  registered this instance id with its own secret, e.g. a replacement started with the same
+  ``--instance_id`` while this one was frozen) ends the RaaS at once with
+  :data:`TAKEN_OVER_EXIT`, in one line, sending nothing more as that instance (no return, no
+  deregistration: the id is the other process's now). Why not re-register under a new id:
+  whoever started the replacement (an operator, the autoscaler) counts instances by id, and a
+  silent newcomer would be one it never started; the tasks this one held come back when their
+  leases expire.
 
 Liveness is kept by a heartbeat thread, so a long generation never looks like a dead instance;
 it reports how many tasks are in flight and learns from the reply when the dataflow wants the
@@ -38,6 +57,11 @@ from astralight.engine import engine_limits
 log = logging.getLogger("astralight.raas")
 
 HARD_STOP_EXIT = 130
+TAKEN_OVER_EXIT = 3
+"""Exit code of a RaaS whose instance id another process registered (403 ``instance_secret``)."""
+RUN_CHANGED_EXIT = 4
+"""Exit code of a RaaS whose dataflow started a new run that has published no version yet
+while its engines hold the old run's weights (a restart starts from the initial model, v0)."""
 """Exit code of a hard stop (second signal, or a drain past ``drain_timeout_s``)."""
 HARD_STOP_CALLS_S = 10.0
 """How long a hard stop waits for its return and deregister calls before exiting anyway."""
@@ -56,6 +80,11 @@ def _status(exc: BaseException) -> int | None:
 
 def _field(exc: BaseException) -> str | None:
     return getattr(exc, "field", None)
+
+
+def refused_secret(exc: BaseException) -> bool:
+    """The dataflow refused this process's instance secret (403 ``instance_secret``)."""
+    return _status(exc) == 403 and _field(exc) == "instance_secret"
 
 
 REGISTER_RETRY_S = 2.0
@@ -92,9 +121,16 @@ class Membership:
         self._signal_thread: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
         self._left = False
+        #: the dataflow run this RaaS works for (None: not known, or a dataflow naming none)
+        self.run_id: str | None = None
+        self._run_lock = threading.Lock()
+        self._taken_over = threading.Event()
 
     def _on_stop(self, hard: bool = False) -> None:  # noqa: B027 - the service overrides it
         """A drain (``hard=False``) or hard stop began."""
+
+    def _on_run_change(self) -> None:  # noqa: B027 - the service overrides it
+        """The dataflow's run changed: episodes of the old run must stop."""
 
     def _heartbeat_stats(self) -> dict:
         """``{"stats": {...}}`` for the heartbeat: the engines' weight-update figures summed
@@ -204,7 +240,93 @@ class Membership:
                                 **({"limits": limits} if limits else {}))
         self.instance_id = reply["instance_id"]
         self.lease_seconds = float(reply.get("lease_seconds", self.lease_seconds))
+        self.note_run(reply.get("run_id"), "registration")  # (before the count moves: see rejoin)
         self._registrations += 1
+
+    # ------------------------------------------------------------------ runs
+
+    def note_run(self, run_id: Any, where: str) -> bool:
+        """The dataflow named run ``run_id`` (at ``where``); True when it is another run than
+        the one this RaaS followed. Then, once however many threads see it: every weight sync
+        follows the new run (before :attr:`run_id` moves, so a lease that reads the new run
+        finds the engines marked stale), the in-flight tasks are dropped without being returned
+        (the new run's tasks may have the same ids), the episodes are cancelled
+        (:meth:`_on_run_change`) and one line says so. The first run seen is adopted."""
+        if not isinstance(run_id, str) or not run_id:
+            return False
+        with self._run_lock:
+            old = self.run_id
+            if run_id == old:
+                return False
+            for sync in list(getattr(self, "syncs", {}).values()):
+                sync.follow_run(run_id)
+            self.run_id = run_id
+            if old is None:
+                return False
+            dropped = self._drop_in_flight()
+            self.counters.add(run_changes=1)
+        self._on_run_change()
+        stale = self.stale_engines()
+        self.say(f"raas: the dataflow's run changed ({old} -> {run_id}, seen at {where}): it "
+                 f"was restarted on another state_dir; dropped {dropped} in-flight task(s) and "
+                 f"their samples (never pushed to the new run)"
+                 + (f" and the old run's weights of {stale}; leasing again once the new run's "
+                    f"published version is loaded in full" if stale else
+                    "; the engines still hold the initial model (v0), leasing goes on"))
+        return True
+
+    def stale_engines(self) -> list[str]:
+        """The model_ids whose engines hold weights of another run than :attr:`run_id`."""
+        return [m for m, sync in getattr(self, "syncs", {}).items() if sync.engine_stale]
+
+    def _drop_in_flight(self) -> int:
+        """Forget every in-flight task without returning it; how many there were."""
+        with self._in_flight_lock:
+            n = len(self._in_flight)
+            self._in_flight.clear()
+        return n
+
+    # ------------------------------------------------------------------ taken over
+
+    @property
+    def taken_over(self) -> bool:
+        """Another process registered this instance id (see :meth:`check_taken_over`)."""
+        return self._taken_over.is_set()
+
+    def check_taken_over(self, exc: BaseException, seen: int, where: str) -> bool:
+        """Whether ``exc`` (of a call made when the registration count was ``seen``) means this
+        instance id was taken over; if so, stop at once (:meth:`_stop_taken_over`).
+
+        A 403 ``instance_secret`` on a call made with the secret of the current registration
+        means another process holds the id now. One made just before a registration of ours
+        (a rejoin issues a new secret) is not: the count moved, and the caller just retries."""
+        if not refused_secret(exc):
+            return False
+        with self._register_lock:  # (a registration in progress finishes first)
+            if self._registrations != seen:
+                return False
+        self._stop_taken_over(where)
+        return True
+
+    def _stop_taken_over(self, where: str) -> None:
+        """End this RaaS at once with :data:`TAKEN_OVER_EXIT`: cancel the episodes and drop what
+        it holds, sending nothing more as the instance (every such call is refused, and the id
+        is the other process's now); one line says so."""
+        with self._state_lock:
+            if self._taken_over.is_set():
+                return
+            self._taken_over.set()
+            self._left = True  # (no goodbye: return and deregister would act on the other's id)
+            self.draining = True
+        self._heartbeat_stop.set()
+        dropped = self._drop_in_flight()
+        self.say(f"raas: instance {self.instance_id} was taken over: the dataflow refused this "
+                 f"process's instance secret on {where} (another process registered the same "
+                 f"instance_id); exiting {TAKEN_OVER_EXIT} at once, dropping {dropped} in-flight "
+                 f"task(s) (their leases expire and are re-issued). Give each RaaS its own "
+                 f"--instance_id, or none")
+        self.stop_event.set()
+        self._on_stop(hard=True)
 
     def rejoin(self, seen: int, client: Any = None, why: str = "") -> bool:
         """Register again (same instance id) after a 404 for this instance, unless another
@@ -240,6 +362,8 @@ class Membership:
             reply = client.heartbeat(self.instance_id, in_flight=self.in_flight_count(),
                                      **self._heartbeat_stats())
         except Exception as exc:  # the main loop notices a dead dataflow too
+            if self.check_taken_over(exc, seen, "a heartbeat"):
+                return None
             if _status(exc) == 404:  # (the heartbeat names nothing else that could be unknown)
                 try:
                     self.rejoin(seen, client, why="heartbeat: the dataflow does not know us")
@@ -249,6 +373,7 @@ class Membership:
                 log.warning("heartbeat failed: %s", exc)
             return None
         if isinstance(reply, dict):
+            self.note_run(reply.get("run_id"), "a heartbeat")
             if reply.get("lease_seconds"):
                 self.lease_seconds = float(reply["lease_seconds"])
             if reply.get("drain"):
@@ -283,7 +408,7 @@ class Membership:
         Best effort: if the call fails the leases expire and the dataflow re-issues them anyway.
         """
         ids = self._untrack(list(task_ids))
-        if not ids:
+        if not ids or self.taken_over:  # (taken over: the call would act on another's id)
             return 0
         client = client or self.client
         try:

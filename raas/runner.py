@@ -14,7 +14,13 @@ One event loop (the service's main thread) does all of it:
   ready by then (``push_many``, each task idempotent), up to ``push_concurrency`` requests in
   flight, so a far dataflow's round trip is paid per batch, not per task;
 - **weights**: a refresh task loads newer verified versions into the engines while episodes run
-  (the engine applies a version between two of its steps; requests in flight continue under it).
+  (the engine applies a version between two of its steps; requests in flight continue under it);
+- **runs**: every leased task is tagged with the dataflow run it was leased in (read before the
+  engines are checked: :meth:`~astralight.raas.membership.Membership.note_run` marks them first).
+  When the run changes, episodes of the old one are cancelled, their finished samples are
+  dropped and never pushed (each push names its run: a dataflow of another run refuses it), and
+  no lease is taken until every engine holds the new run's published version; if the new run has
+  published none, the RaaS exits ``RUN_CHANGED_EXIT`` (see :mod:`astralight.raas.membership`).
 
 Blocking calls (the dataflow client, weight loads, environment steps inside workflows) run on the
 loop's executor threads; nothing on the loop blocks. Counters are updated only on the loop or
@@ -32,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from astralight.raas.membership import _field, _status
+from astralight.raas.membership import RUN_CHANGED_EXIT, _field, _status, refused_secret
 from astralight.workflows.base import as_episode_runner
 
 log = logging.getLogger("astralight.raas")
@@ -41,6 +47,14 @@ PUSH_BATCH_TASKS = 64
 """Most tasks one push request carries."""
 LEASE_GATHER_S = 0.01
 """With fewer than an eighth of the slots free, wait this long for more before leasing."""
+RESYNC_RETRY_S = 1.0
+"""After a run change, how long to wait between two tries to load the new run's weights."""
+_NOW = object()  # "the run the service follows now" (a default argument)
+
+
+class OtherRun(Exception):
+    """A push outcome: the samples were generated in another run of the dataflow than the one
+    this RaaS follows now; dropped, never sent."""
 
 
 def _log_unexpected(task: asyncio.Task) -> None:
@@ -68,6 +82,8 @@ class Counters:
     tasks_returned: int = 0
     pushes_dropped: int = 0
     rejoins: int = 0
+    run_changes: int = 0  # the dataflow's run changed (restarted on another state_dir)
+    cross_run_dropped: int = 0  # finished tasks of an old run, never pushed to the new one
     episodes_cancelled: int = 0
     reissued_while_running: int = 0
     peak_in_flight: int = 0
@@ -97,6 +113,7 @@ class EpisodeRunner:
         self.config = service.config
         self.workflow = as_episode_runner(self.config.workflow)
         self.episodes: dict[str, asyncio.Task] = {}
+        self.runs: dict[str, str | None] = {}  # task_id -> the dataflow run it was leased in
         self.loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._push_queue: asyncio.Queue | None = None
@@ -127,6 +144,18 @@ class EpisodeRunner:
     def _cancel_all(self) -> None:
         for task in list(self.episodes.values()):
             task.cancel()
+
+    def cancel_other_runs(self) -> None:
+        """Cancel (from any thread) the episodes leased in another run than the service's."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._cancel_other_runs)
+
+    def _cancel_other_runs(self) -> None:
+        current = self.service.run_id
+        for task_id, task in list(self.episodes.items()):
+            if self.runs.get(task_id) != current:
+                task.cancel()
 
     # ------------------------------------------------------------------ the loop
 
@@ -166,6 +195,10 @@ class EpisodeRunner:
         pusher = asyncio.create_task(self._push_loop())
         try:
             while not svc.stop_event.is_set():
+                run = svc.run_id  # (read before the engines' check: see Membership.note_run)
+                if svc.stale_engines():  # a new run: its weights first
+                    await self._resync()
+                    continue
                 free = cfg.max_concurrency - len(self.episodes)
                 if free <= 0:
                     await self._nap(cfg.progress_interval_s)
@@ -177,7 +210,7 @@ class EpisodeRunner:
                     await asyncio.sleep(LEASE_GATHER_S)
                     free = cfg.max_concurrency - len(self.episodes)
                 asked = time.monotonic()
-                granted = await self._lease(free, wait_s=cfg.poll_interval_s)
+                granted = await self._lease(free, wait_s=cfg.poll_interval_s, run=run)
                 if granted is None:  # the dataflow failed; give up or back off
                     if self.exit_code:
                         break
@@ -205,7 +238,12 @@ class EpisodeRunner:
         pusher = asyncio.create_task(self._push_loop())
         try:
             await self._refresh_once()
-            granted = await self._lease(self.config.max_concurrency, raise_errors=True)
+            run = self.service.run_id
+            if self.service.stale_engines():
+                await self._resync()
+                if self.service.stale_engines():
+                    return 0
+            granted = await self._lease(self.config.max_concurrency, raise_errors=True, run=run)
             if granted:
                 await self._finish()
         finally:
@@ -234,18 +272,22 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ leasing
 
     async def _lease(self, free: int, raise_errors: bool = False,
-                     wait_s: float = 0.0) -> int | None:
+                     wait_s: float = 0.0, run: Any = _NOW) -> int | None:
         """Lease up to ``free`` tasks (``wait_s`` > 0: a long poll, see the module docstring)
-        and start an episode for each runnable one; the number of episodes started, or None
-        when the dataflow failed (counted; after ``dataflow_give_up_s`` of failures the runner
-        gives up)."""
+        and start an episode for each runnable one, tagged with ``run`` (default: the run the
+        service follows now); the number of episodes started, or None when the dataflow failed
+        (counted; after ``dataflow_give_up_s`` of failures the runner gives up) or took this
+        instance id over (the service stops)."""
         svc = self.service
+        run = svc.run_id if run is _NOW else run
         client = svc.client
         seen = svc._registrations
         lease = functools.partial(client.lease, wait_s=wait_s) if wait_s > 0 else client.lease
         try:
             tasks = await self._call(lease, svc.instance_id, free)
         except Exception as exc:
+            if refused_secret(exc):  # another process holds our id, or a rejoin raced the call
+                return None if await self._call(svc.check_taken_over, exc, seen, "a lease") else 0
             if _status(exc) in (404, 410):  # the dataflow forgot us (restarted, expired): rejoin
                 log.warning("lease refused (%s); registering again", exc)
                 try:
@@ -265,6 +307,10 @@ class EpisodeRunner:
         self.leases += 1
         svc.counters.add(cycles=1)
         if not tasks:
+            return 0
+        if run != svc.run_id:  # the run changed during the call: nothing of either is started
+            log.warning("dropped %d task(s) leased while the dataflow's run changed (their "
+                        "leases expire)", len(tasks))
             return 0
         self.leases_granted += 1
         ids = [t.task_id for t in tasks]
@@ -286,9 +332,10 @@ class EpisodeRunner:
             if task.task_id in self.episodes:  # re-issued to us while its episode still runs
                 svc.counters.add(reissued_while_running=1)
                 continue  # (the running episode pushes it; a push is idempotent per task)
-            episode = asyncio.create_task(self._episode(task))
+            episode = asyncio.create_task(self._episode(task, run))
             episode.add_done_callback(_log_unexpected)
             self.episodes[task.task_id] = episode
+            self.runs[task.task_id] = run
             started += 1
         svc.counters.raise_to("peak_in_flight", len(self.episodes))
         return started
@@ -307,20 +354,28 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ episodes
 
-    async def _episode(self, task: Any) -> None:
-        """Run one task and queue its samples for pushing (or return it); its slot stays taken
-        until then, so ``max_concurrency`` bounds the tasks held, not just those generating."""
+    async def _episode(self, task: Any, run: str | None = None) -> None:
+        """Run one task (leased in dataflow run ``run``) and queue its samples for pushing (or
+        return it); its slot stays taken until then, so ``max_concurrency`` bounds the tasks
+        held, not just those generating."""
         try:
-            await self._run_episode(task)
+            await self._run_episode(task, run)
         except asyncio.CancelledError:
             self.service.counters.add(episodes_cancelled=1)
             raise
         finally:
             if self.episodes.get(task.task_id) is asyncio.current_task():
                 del self.episodes[task.task_id]
+                self.runs.pop(task.task_id, None)
             self._wake.set()
 
-    async def _run_episode(self, task: Any) -> None:
+    async def _return(self, task: Any, run: str | None, failed: bool, why: str) -> None:
+        """Return ``task`` unless the dataflow's run changed since it was leased (in the new
+        run its id may name another task, one this instance holds)."""
+        if run == self.service.run_id:
+            await self._call(self.service.return_tasks, [task.task_id], failed, why)
+
+    async def _run_episode(self, task: Any, run: str | None = None) -> None:
         svc = self.service
         start = time.perf_counter()
         try:
@@ -328,8 +383,7 @@ class EpisodeRunner:
         except Exception as exc:  # not the task's fault: another instance may run it
             log.error("task %s: could not load the version it needs (%s); returned",
                       task.task_id, exc)
-            await self._call(svc.return_tasks, [task.task_id], False,
-                             "its weight version could not be loaded")
+            await self._return(task, run, False, "its weight version could not be loaded")
             return
         try:
             samples = await self.workflow.run(task, svc.engines)
@@ -337,7 +391,7 @@ class EpisodeRunner:
             svc.counters.add(workflow_errors=1)
             log.exception("workflow failed on task %s; returned to the dataflow as failed",
                           task.task_id)
-            await self._call(svc.return_tasks, [task.task_id], True, "the workflow raised")
+            await self._return(task, run, True, "the workflow raised")
             return
         svc.counters.add(generate_s=time.perf_counter() - start)
         wrong = [s for s in samples or () if s.task_id != task.task_id
@@ -347,7 +401,7 @@ class EpisodeRunner:
             log.error("task %s: the workflow returned %d sample(s) of another task or policy "
                       "(e.g. task_id=%r model_id=%r); returned to the dataflow as failed",
                       task.task_id, len(wrong), wrong[0].task_id, wrong[0].model_id)
-            await self._call(svc.return_tasks, [task.task_id], True, "samples of another task")
+            await self._return(task, run, True, "samples of another task")
             return
         if not samples:  # e.g. a prompt too long for the engine; the workflow logged why
             svc.counters.add(empty_tasks=1)
@@ -355,9 +409,12 @@ class EpisodeRunner:
             return
         if self.config.cycle_delay_s > 0:
             await asyncio.sleep(self.config.cycle_delay_s)
-        if svc._hard_stop.is_set():
-            return  # a hard stop returned this task
-        self._push_queue.put_nowait((task, list(samples)))
+        if svc._hard_stop.is_set() or svc.taken_over:
+            return  # a hard stop returned this task; a taken-over instance sends nothing more
+        if run != svc.run_id:  # made with the old run's weights: never pushed to the new run
+            svc.counters.add(cross_run_dropped=1)
+            return
+        self._push_queue.put_nowait((task, list(samples), run))
 
     async def _catch_up(self, task: Any) -> None:
         """Load the version a task asks for before running it.
@@ -382,6 +439,33 @@ class EpisodeRunner:
                                 "loaded", task.task_id, mid, version, svc.engines[mid].version)
 
     # ------------------------------------------------------------------ weights
+
+    async def _resync(self) -> None:
+        """After a run change: load the new run's published version into every engine that
+        holds the old run's weights (forced checks, waiting for the loads). If the new run has
+        published no version of one of them yet, exit ``RUN_CHANGED_EXIT`` (its v0 is the
+        initial model, which only a restart gives back; waiting instead could stall the run:
+        its trainer needs samples of v0 to publish v1); if a pull failed, try again later."""
+        svc = self.service
+        for mid in svc.stale_engines():
+            await self.loop.run_in_executor(self._weights, svc.syncs[mid].refresh, True)
+        stale = svc.stale_engines()
+        if not stale:
+            versions = " ".join(f"{m}=v{e.version}" for m, e in svc.engines.items())
+            svc.say(f"raas resynced to the dataflow's run {svc.run_id}: {versions}")
+            return
+        unpublished = [m for m in stale if svc.syncs[m].new_run_unpublished]
+        if unpublished:
+            svc.say(f"raas exiting {RUN_CHANGED_EXIT}: the dataflow's run {svc.run_id} has "
+                    f"published no version of {unpublished} yet; its v0 is the initial model, "
+                    f"which these engines no longer hold (they loaded the old run's weights). "
+                    f"Start this RaaS again (the launcher does) to serve v0")
+            self.exit_code = RUN_CHANGED_EXIT
+            svc.stop_event.set()
+            return
+        # the sync logged why the pull failed; the next try waits for its backoff (a forced
+        # pull of a whole model every second would swamp the dataflow)
+        await self._nap(max([RESYNC_RETRY_S] + [svc.syncs[m].retry_in() for m in stale]))
 
     async def _refresh_once(self) -> None:
         for sync in self.service.syncs.values():
@@ -423,7 +507,7 @@ class EpisodeRunner:
                                  "the dataflow refused its samples")
         except Exception:  # noqa: BLE001 - never leave a batch's tasks tracked
             log.exception("pushing %d task(s) failed", len(batch))
-            self.service._untrack([task.task_id for task, _ in batch])
+            self.service._untrack([task.task_id for task, _, _ in batch])
         finally:
             limit.release()
             for _ in batch:
@@ -431,27 +515,46 @@ class EpisodeRunner:
 
     def _push_blocking(self, batch: list) -> list:
         """On an executor thread, with that thread's own client: one ``push_many`` request (or,
-        for a client without it, one push per task); a 404 for this instance rejoins and
-        pushes those tasks once more."""
+        for a client without it, one push per task) of the tasks leased in the run the service
+        follows now, naming it (the others: :class:`OtherRun`, never sent); a 404 for this
+        instance rejoins and pushes those tasks once more, unless the rejoin found a new run.
+        A 403 ``instance_secret`` stops the service if the id was taken over."""
         svc = self.service
+        if svc.taken_over:
+            return [OtherRun("this instance id was taken over")] * len(batch)
         client = svc._thread_client()
         seen = svc._registrations
-        items = [(task.task_id, samples) for task, samples in batch]
-        outcomes = self._send(client, items)
-        retry = [i for i, o in enumerate(outcomes) if isinstance(o, Exception)
-                 and _status(o) == 404 and _field(o) == "instance_id"]
+        run = svc.run_id
+        outcomes: list = [OtherRun(f"leased in the dataflow's run {tag}, now {run}")
+                          for _, _, tag in batch]
+        live = [i for i, (_, _, tag) in enumerate(batch) if tag == run]
+        items = {i: (batch[i][0].task_id, batch[i][1]) for i in live}
+        for i, o in zip(live, self._send(client, [items[i] for i in live], run) if live else []):
+            outcomes[i] = o
+        refused = [i for i in live if refused_secret(outcomes[i])]
+        if refused and svc.check_taken_over(outcomes[refused[0]], seen, "a push"):
+            return outcomes  # (accounted as dropped: the service is stopping)
+        forgot = [i for i in live if isinstance(outcomes[i], Exception)
+                  and _status(outcomes[i]) == 404 and _field(outcomes[i]) == "instance_id"]
+        retry = sorted(refused + forgot)
         if retry:
             try:  # the dataflow restarted and forgot us: rejoin, then push once more
-                svc.rejoin(seen, client, why="push: the dataflow does not know us")
-                again = self._send(client, [items[i] for i in retry])
+                if forgot:
+                    svc.rejoin(seen, client, why="push: the dataflow does not know us")
+                again = ([OtherRun(f"the dataflow's run is now {svc.run_id}")] * len(retry)
+                         if svc.run_id != run else
+                         self._send(client, [items[i] for i in retry], run))
             except Exception as exc:  # noqa: BLE001 - each task gets the error
                 again = [exc] * len(retry)
             for i, o in zip(retry, again):
                 outcomes[i] = o
         return outcomes
 
-    def _send(self, client: Any, items: list) -> list:
+    def _send(self, client: Any, items: list, run: str | None = None) -> list:
+        """Push ``items`` in one request (or one per task), naming dataflow run ``run``."""
         svc = self.service
+        if hasattr(client, "push_run_id"):
+            client.push_run_id = run  # (each push thread has its own client)
         svc.counters.add(push_requests=1)
         many = getattr(client, "push_many", None)
         if callable(many):
@@ -467,9 +570,28 @@ class EpisodeRunner:
                 out.append(exc)
         return out
 
+    def _dropped(self, task: Any, outcome: Any) -> bool:
+        """Whether a push outcome is nobody's failure, only counted and logged: the instance was
+        taken over (``pushes_dropped``), or the samples belong to another run of the dataflow
+        (``cross_run_dropped``): never sent (:class:`OtherRun`; the run change already forgot
+        the task, and its id may now be a new run's task), or refused by a dataflow of another
+        run (409 ``run_id``: forgotten here)."""
+        svc = self.service
+        other_run = isinstance(outcome, OtherRun) or (
+            _status(outcome) == 409 and _field(outcome) == "run_id")
+        if not (svc.taken_over or other_run):
+            return False
+        if not isinstance(outcome, OtherRun):
+            svc._untrack([task.task_id])
+        svc.counters.add(**({"pushes_dropped": 1} if svc.taken_over else {"cross_run_dropped": 1}))
+        log.info("push of task %s dropped: %s", task.task_id, outcome)
+        return True
+
     def _account(self, batch: list, outcomes: list) -> None:
         svc = self.service
-        for (task, samples), outcome in zip(batch, outcomes):
+        for (task, samples, _), outcome in zip(batch, outcomes):
+            if self._dropped(task, outcome):
+                continue
             status = _status(outcome) if isinstance(outcome, Exception) else None
             if not (status and 400 <= status < 500 and status not in (404, 409, 410)):
                 svc._untrack([task.task_id])  # (a refused task stays tracked until returned)

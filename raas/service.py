@@ -24,7 +24,8 @@ import time
 from typing import Any, Callable
 
 from astralight.raas.config import RaaSConfig, build_engine, parse_config
-from astralight.raas.membership import HARD_STOP_CALLS_S, HARD_STOP_EXIT, Membership
+from astralight.raas.membership import (HARD_STOP_CALLS_S, HARD_STOP_EXIT, RUN_CHANGED_EXIT,
+                                        TAKEN_OVER_EXIT, Membership)
 from astralight.raas.runner import Counters, EpisodeRunner
 from astralight.raas.weight_sync import WeightSync
 
@@ -69,6 +70,10 @@ class RaaSService(Membership):
             self.runner.cancel_all()
         self.runner.wake()
 
+    def _on_run_change(self) -> None:
+        self.runner.cancel_other_runs()
+        self.runner.wake()
+
     # ------------------------------------------------------------------ start-up
 
     def start(self) -> None:
@@ -82,11 +87,14 @@ class RaaSService(Membership):
         self.client = self.client_factory()
         self.register()
         for mid in cfg.model_ids:
-            self.syncs[mid] = WeightSync(self.client_factory, mid, self.engines[mid],
-                                         check_interval_s=cfg.weight_check_interval_s,
-                                         background=cfg.background_weight_sync,
-                                         download_dir=cfg.weight_download_dir,
-                                         stream_min_bytes=cfg.weight_stream_min_bytes).start()
+            sync = WeightSync(self.client_factory, mid, self.engines[mid],
+                              check_interval_s=cfg.weight_check_interval_s,
+                              background=cfg.background_weight_sync,
+                              download_dir=cfg.weight_download_dir,
+                              stream_min_bytes=cfg.weight_stream_min_bytes,
+                              on_run=self.note_run)
+            sync.follow_run(self.run_id)  # the run the registration named
+            self.syncs[mid] = sync.start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="raas-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -101,7 +109,10 @@ class RaaSService(Membership):
     def serve(self) -> int:
         """Run the episode runner until stopped (signal, drain, ``max_cycles`` lease calls) and
         return the exit code: 0 after a clean finish or drain (then the instance leaves the
-        pool), 1 when the dataflow was given up on, ``HARD_STOP_EXIT`` after a hard stop."""
+        pool), 1 when the dataflow was given up on, ``HARD_STOP_EXIT`` after a hard stop,
+        ``TAKEN_OVER_EXIT`` when another process took the instance id over (nothing more is
+        sent as it), ``RUN_CHANGED_EXIT`` when a new run of the dataflow needs the initial model
+        back (the instance leaves the new run's pool first)."""
         code = asyncio.run(self.runner.serve())
         self.stop_event.set()
         if self._hard_stop.is_set():  # its own thread returns the tasks, deregisters and exits
@@ -109,7 +120,9 @@ class RaaSService(Membership):
             self.maybe_progress(force=True)
             return HARD_STOP_EXIT
         self._stop_drain_threads()  # the drain is over: its timeout must not fire in the goodbye
-        if code == 0:  # (a dataflow given up on would not answer the goodbye either)
+        if self.taken_over:
+            code = TAKEN_OVER_EXIT
+        elif code in (0, RUN_CHANGED_EXIT):  # (a dataflow given up on would not answer)
             self.leave()
         self.maybe_progress(force=True)
         return code
@@ -168,7 +181,8 @@ class RaaSService(Membership):
                 f" dataflow={c.dataflow_errors} weights={failures}"
                 f" empty={c.empty_tasks} unsupported={c.unsupported_tasks}"
                 f" | pushes {c.push_requests} | returned {c.tasks_returned}"
-                f" dropped {c.pushes_dropped} rejoins {c.rejoins} in_flight {self.in_flight_count()}")
+                f" dropped {c.pushes_dropped} rejoins {c.rejoins} in_flight {self.in_flight_count()}"
+                f" | run changes {c.run_changes} (cross-run dropped {c.cross_run_dropped})")
 
     def maybe_progress(self, force: bool = False) -> None:
         now = time.monotonic()

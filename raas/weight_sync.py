@@ -41,6 +41,17 @@ Float32 versions. A version published with ``WeightPublisher(precision="fp32")``
 tensor as two bf16-typed halves (:mod:`astralight.weights.exact`); the shadow copy keeps them as
 published, and what goes to the engine is the joined float32 tensor under the weight's own name.
 
+A new run. A dataflow restarted on a fresh ``state_dir`` is a new run (another run id,
+:mod:`astralight.dataflow.run_id`; the client keeps the run id its answers name in ``run_id``),
+whose version numbers start again at 0. When a check sees another run than the one the sync
+follows (or :meth:`WeightSync.follow_run` is told of one), the shadow copy is dropped and the
+engine's weights count as another run's (``engine_stale``, unless it never loaded a published
+version: it still holds the initial model, the new run's v0): the next check pulls the new
+run's latest version in full, whatever its number, and loads it whole; a download of the old
+run still in progress is discarded. While the new run has published nothing,
+``new_run_unpublished`` says so (the RaaS then exits: only a restart gives back the initial
+model). ``on_run(run_id, where)`` is told of every change a check sees.
+
 LoRA adapters. A version whose manifest carries ``metadata["adapter"]`` (a policy trained with
 ``lora: {publish: adapter}``) holds adapter tensors under PEFT names, not base weights: it goes,
 whole, to the engine's ``update_adapter(tensors, version, adapter)`` (``VLLMEngine`` with
@@ -75,6 +86,11 @@ class WeightSyncError(RuntimeError):
     """The weight store's manifests cannot lead to a usable version."""
 
 
+class RunChanged(WeightSyncError):
+    """The dataflow's run changed while a version of the old run was being downloaded: it is
+    discarded (never installed), and the next check follows the new run."""
+
+
 def _route_bytes(route: list[WeightManifest]) -> int:
     return sum(int(info.get("bytes", 0)) for m in route for info in m.files.values())
 
@@ -93,6 +109,8 @@ class WeightSync:
         stream_min_bytes: files at least this large go to disk, smaller ones stay in memory.
         min_backoff_s, max_backoff_s: after a failed version, wait ``min_backoff_s`` before
             retrying it, doubling per further failure up to ``max_backoff_s``.
+        on_run: called ``(run_id, where)`` when a check sees the dataflow's run change (the
+            RaaS drops what it holds of the old run); the sync has followed it already.
 
     Counters (cumulative): ``refreshes`` (engine loads), ``full_pulls`` / ``delta_pulls``
     (artifacts applied to the shadow copy), ``full_fallbacks`` (delta routes abandoned for a full
@@ -105,8 +123,18 @@ class WeightSync:
                  check_interval_s: float = 2.0, background: bool = True,
                  download_dir: str | Path | None = None,
                  stream_min_bytes: int = DEFAULT_STREAM_MIN_BYTES, min_backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0):
+                 max_backoff_s: float = 60.0,
+                 on_run: Callable[[str, str], Any] | None = None):
         self.client_factory = client_factory
+        self.on_run = on_run
+        #: the dataflow run the shadow copy and the engine's weights belong to (None: not known)
+        self.run_id: str | None = None
+        #: the engine holds weights of another run than :attr:`run_id` (until a load of this one)
+        self.engine_stale = False
+        #: the engine is stale and this run has published no version yet (its v0: the initial
+        #: model, which the engine no longer holds)
+        self.new_run_unpublished = False
+        self.run_changes = 0
         self.model_id = model_id
         self.engine = engine
         self.check_interval_s = check_interval_s
@@ -149,8 +177,64 @@ class WeightSync:
     # ------------------------------------------------------------------ planning
 
     def _held_version(self) -> int:
+        """The newest version of this run held (shadow copy or engine); -1: none."""
         held = self.state.version
-        return max(int(self.engine.version), -1 if held is None else held)
+        engine = -1 if self.engine_stale else int(self.engine.version)
+        return max(engine, -1 if held is None else held)
+
+    # ------------------------------------------------------------------ runs
+
+    def follow_run(self, run_id: str | None) -> bool:
+        """Follow dataflow run ``run_id``; True when that is a change from a known run.
+
+        A change drops the shadow copy (the old run's versions), forgets what the engine holds
+        (the next load sends every tensor) and its failure backoffs, and marks the engine's
+        weights as another run's (:attr:`engine_stale`) unless it never loaded a published
+        version. The first run seen is just adopted; None (a dataflow that names no run) is
+        ignored."""
+        if not run_id:
+            return False
+        with self._lock:
+            old = self.run_id
+            if run_id == old:
+                return False
+            self.run_id = run_id
+            if old is None:
+                return False
+            self.state = WeightState()
+            self._engine_tensors = None
+            loaded = self.refreshes > 0 or int(self.engine.version) > 0  # (not the initial model)
+            self.engine_stale = self.engine_stale or loaded
+            self.new_run_unpublished = False
+            self._fail_version, self._fail_count, self._retry_at = None, 0, float("-inf")
+            self._load_fail_version, self._load_fails = None, 0
+            self.run_changes += 1
+        self._drop_partial_downloads()  # (a .part of the old run's vN must not resume the new's)
+        if self.on_run is None:  # (with a callback, the RaaS says it, once for all its engines)
+            log.warning("%s: the dataflow's run changed (%s -> %s): dropped the old run's "
+                        "weights (engine on v%s); pulling the new run's latest version in full",
+                        self.model_id, old, run_id, self.engine.version)
+        return True
+
+    def retry_in(self) -> float:
+        """Seconds until a failed version may be pulled again (0: no backoff now)."""
+        return max(0.0, self._retry_at - time.monotonic()) if self._fail_version is not None else 0.0
+
+    def _see_run(self, client: Any) -> str | None:
+        """The run the client's last answer named (None: it names none); a change is
+        followed and told to :attr:`on_run`."""
+        run_id = getattr(client, "run_id", None)
+        run_id = run_id if isinstance(run_id, str) and run_id else None
+        if self.follow_run(run_id) and self.on_run is not None:
+            self.on_run(run_id, f"weight check of {self.model_id}")
+        return run_id
+
+    def _same_run(self, run_id: str | None) -> None:
+        """Raise :class:`RunChanged` when the sync follows another run than ``run_id`` (the
+        run a download started in); call with :attr:`_lock` held."""
+        if run_id is not None and self.run_id != run_id:
+            raise RunChanged(f"{self.model_id}: the dataflow's run changed to {self.run_id} "
+                             f"while a version of run {run_id} was downloading; discarded")
 
     def plan(self, client: Any, latest: WeightManifest, from_full: bool = False) -> list[WeightManifest]:
         """Manifests to apply, oldest first, to go from the held state to ``latest``.
@@ -208,10 +292,13 @@ class WeightSync:
             if isinstance(src, Path):
                 src.unlink(missing_ok=True)
 
-    def _follow(self, client: Any, route: list[WeightManifest]) -> None:
-        """Apply ``route`` to the shadow copy (a full route builds a new one, then swaps it in)."""
+    def _follow(self, client: Any, route: list[WeightManifest], run_id: str | None = None) -> None:
+        """Apply ``route`` (of dataflow run ``run_id``) to the shadow copy (a full route builds a
+        new one, then swaps it in); :class:`RunChanged` if the sync follows another run by the
+        time a version would be installed."""
         if route[0].kind == "full":
             with self._lock:
+                self._same_run(run_id)
                 self.state = WeightState()  # free the old copy first: one model's worth of memory
             target = WeightState()
             for manifest in route:
@@ -222,12 +309,14 @@ class WeightSync:
                     self._discard(files)
                 self._count_pull(manifest)
             with self._lock:
+                self._same_run(run_id)
                 self.state = target
             return
         for manifest in route:
             files = self._fetch(client, manifest)
             try:
                 with self._lock:
+                    self._same_run(run_id)
                     self.state.apply(manifest, files)
             finally:
                 self._discard(files)
@@ -246,8 +335,20 @@ class WeightSync:
 
     def _check(self, client: Any, force: bool) -> int | None:
         latest = client.latest_manifest(self.model_id)
+        run_id = self._see_run(client)
+        self.new_run_unpublished = latest is None and self.engine_stale
         if latest is None or latest.version <= self._held_version():
             return None
+        try:
+            return self._pull(client, latest, force, run_id)
+        except RunChanged as exc:  # not a failure of this version: the next check follows
+            log.info("%s", exc)
+            return None
+
+    def _pull(self, client: Any, latest: WeightManifest, force: bool,
+              run_id: str | None) -> int | None:
+        """Bring the shadow copy to ``latest`` (of run ``run_id``): the delta route if it can,
+        else (or when it fails) the full route; back off after a failure of this version."""
         if (not force and latest.version == self._fail_version
                 and time.monotonic() < self._retry_at):
             return None  # backing off after a failure of this very version
@@ -257,9 +358,9 @@ class WeightSync:
             route = self.plan(client, latest)
             kind = route[0].kind
             try:
-                self._follow(client, route)
+                self._follow(client, route, run_id)
             except Exception as exc:
-                if kind != "delta":
+                if kind != "delta" or isinstance(exc, RunChanged):
                     raise
                 self.full_fallbacks += 1
                 reason = f"{type(exc).__name__}: {exc}"
@@ -267,12 +368,15 @@ class WeightSync:
                             self.model_id, latest.version, reason)
                 kind = "fallback"
                 route = self.plan(client, latest, from_full=True)
-                self._follow(client, route)
+                self._follow(client, route, run_id)
+        except RunChanged:
+            raise
         except Exception:
-            self._fail_version = latest.version
-            self._fail_count += 1
-            self._retry_at = time.monotonic() + min(
-                self.max_backoff_s, self.min_backoff_s * 2 ** (self._fail_count - 1))
+            if run_id is None or run_id == self.run_id:  # (an old run's failure sets no backoff)
+                self._fail_version = latest.version
+                self._fail_count += 1
+                self._retry_at = time.monotonic() + min(
+                    self.max_backoff_s, self.min_backoff_s * 2 ** (self._fail_count - 1))
             raise
         finally:
             self._cleanup_downloads()
@@ -283,6 +387,14 @@ class WeightSync:
                             "bytes": self.fetched_bytes - bytes_before, "seconds": seconds,
                             "ready_at": time.time()})
         return latest.version
+
+    def _drop_partial_downloads(self) -> None:
+        """Remove every download file, ``.part`` ones included (another run's bytes)."""
+        if self._download_dir is None or not self._download_dir.exists():
+            return
+        for path in self._download_dir.iterdir():
+            if path.is_file():
+                path.unlink(missing_ok=True)
 
     def _cleanup_downloads(self) -> None:
         """Remove finished files; keep ``.part`` files so a retry resumes them."""
@@ -316,8 +428,8 @@ class WeightSync:
         try:
             state = self.state
             version = state.version
-            if version is None or version <= self.engine.version:
-                return None
+            if version is None or (version <= self.engine.version and not self.engine_stale):
+                return None  # (an engine on another run's weights loads this run's, any number)
             if (not force and version == self._load_fail_version
                     and time.monotonic() < self._load_retry_at):
                 return None  # this version failed to load: back off before the next try
@@ -354,6 +466,7 @@ class WeightSync:
                     raise
                 self._load_fail_version, self._load_fails = None, 0
             self._engine_tensors = dict(table)
+            self.engine_stale = self.new_run_unpublished = False  # on this run's weights now
             pause = time.perf_counter() - start
         finally:
             self._lock.release()
@@ -414,7 +527,8 @@ class WeightSync:
                 "full_fallbacks": self.full_fallbacks, "failures": self.failures,
                 "fetched_bytes": self.fetched_bytes, "fetch_s_total": round(self.fetch_s_total, 4),
                 "pause_s_total": round(self.pause_s_total, 4), "tensors_pushed": self.tensors_pushed,
-                "partial_pushes": self.partial_pushes, "last_error": self.last_error}
+                "partial_pushes": self.partial_pushes, "last_error": self.last_error,
+                "run_id": self.run_id, "run_changes": self.run_changes}
 
     # ------------------------------------------------------------------ background thread
 

@@ -765,6 +765,113 @@ class BatchingDataflow(FakeDataflow):
             return super().return_tasks(instance_id, task_ids, failed)
 
 
+@dataflow_fake(WeightSourceAPI)
+class RestartingDataflow(BatchingDataflow):
+    """A dataflow that names its run and can be restarted on a fresh state.
+
+    ``run_id`` is named in register and heartbeat answers and, as on
+    :class:`~astralight.dataflow.client.DataflowClient` (the attribute its weight routes set),
+    read by weight checks. :meth:`restart_fresh` is a restart on another ``state_dir``: a new run
+    id, nothing published, new ``tasks`` (their ids may repeat the old run's, as ``train:N`` do),
+    and no instance known (404 ``instance_id`` until it registers again). ``push_run_id`` is what
+    the client's attribute is: the run a push names; a push naming another run is refused (409
+    ``run_id``), as by the real route. ``accepted``: ``(run_id, task_id, samples)`` of every
+    push accepted, in order.
+    """
+
+    def __init__(self, tasks=(), run_id="run-1"):
+        super().__init__(tasks)
+        self.run_id = run_id
+        self.push_run_id = None
+        self.known: set[str] = set()  # instances registered in this run
+        self.accepted: list[tuple[str, str, list]] = []
+
+    def restart_fresh(self, tasks=(), run_id="run-2"):
+        with self.lock:
+            self.run_id = run_id
+            self.manifests, self.files = {}, {}
+            self.known = set()
+            self.tasks = list(tasks)
+
+    def _check_known(self, instance_id):
+        if instance_id not in self.known:
+            raise NotFound(f"unknown instance {instance_id!r}", "instance_id")
+
+    def register(self, model_ids, capacity, instance_id=None, meta=None, capacity_units=1.0,
+                 limits=None):
+        reply = super().register(model_ids, capacity, instance_id, meta, capacity_units, limits)
+        with self.lock:
+            self.known.add(reply["instance_id"])
+            return {**reply, "run_id": self.run_id}
+
+    def heartbeat(self, instance_id, in_flight=None, stats=None):
+        self._check_known(instance_id)
+        return {**super().heartbeat(instance_id, in_flight, stats), "run_id": self.run_id}
+
+    def lease(self, instance_id, max_tasks, wait_s=0.0):
+        self._check_known(instance_id)
+        return super().lease(instance_id, max_tasks, wait_s)
+
+    def push(self, instance_id, task_id, samples):
+        self._check_known(instance_id)
+        if self.push_run_id is not None and self.push_run_id != self.run_id:
+            raise DataflowError(409, f"made for dataflow run {self.push_run_id!r}, this is "
+                                     f"{self.run_id!r}", "run_id")
+        reply = FakeDataflow.push(self, instance_id, task_id, samples)
+        if not reply["duplicate"]:
+            self.accepted.append((self.run_id, task_id, list(samples)))
+        return reply
+
+    def push_many(self, instance_id, items):
+        with self.lock:
+            self.batches.append(len(items))
+            out = []
+            for task_id, samples in items:
+                try:
+                    out.append(self.push(instance_id, task_id, samples))
+                except Exception as exc:  # noqa: BLE001 - per-item outcome
+                    out.append(exc)
+            return out
+
+
+@dataflow_fake(WeightSourceAPI)
+class TakeoverDataflow(BatchingDataflow):
+    """A dataflow on which this instance id can be taken over by another process: once
+    ``taken_over`` is set, every call acting as the instance is refused as the real service
+    refuses a wrong secret (403 ``instance_secret``) and counted in ``refused``."""
+
+    def __init__(self, tasks=()):
+        super().__init__(tasks)
+        self.taken_over = False
+        self.refused: list[str] = []  # the calls refused, by name
+
+    def _check_secret(self, call: str):
+        if self.taken_over:
+            self.refused.append(call)
+            raise DataflowError(403, "the X-Astralight-Instance-Secret header is not the secret "
+                                     "this instance got at registration", "instance_secret")
+
+    def heartbeat(self, instance_id, in_flight=None, stats=None):
+        self._check_secret("heartbeat")
+        return super().heartbeat(instance_id, in_flight, stats)
+
+    def lease(self, instance_id, max_tasks, wait_s=0.0):
+        self._check_secret("lease")
+        return super().lease(instance_id, max_tasks, wait_s)
+
+    def push_many(self, instance_id, items):
+        self._check_secret("push_many")
+        return super().push_many(instance_id, items)
+
+    def return_tasks(self, instance_id, task_ids, failed=False):
+        self._check_secret("return_tasks")
+        return super().return_tasks(instance_id, task_ids, failed)
+
+    def deregister(self, instance_id):
+        self._check_secret("deregister")
+        return super().deregister(instance_id)
+
+
 # ----------------------------------------------------------------------------- monitors
 
 

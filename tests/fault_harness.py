@@ -22,9 +22,22 @@ Scenarios (:data:`SCENARIOS`); the fault is injected once the dataflow's version
   its weight store (``state_dir/weights``); the harness fills that tmpfs (through
   ``/proc/PID/root``), keeps it full until ``disk_full_refusals`` weight uploads were refused
   (507), then frees it.
+* ``state_disk_full``: the same over the whole ``state_dir`` (the SQLite state and the weight
+  store), ``state_disk_mb``: filled until ``disk_full_refusals`` requests were refused with 507
+  naming ``state_dir``, then freed. Every client retries those (nothing is stored, so nothing
+  is lost); the dataflow logs the episode in two lines and no traceback. The tmpfs lives and
+  dies with the dataflow's mount namespace, so its wrapper copies the state out when the
+  dataflow exits (``dataflow-saved``: what the audit reads).
 * ``garbage_raas``: a second "RaaS" registers, leases tasks and pushes malformed or mismatched
   samples (:func:`garbage_pushes`); every push must get a 4xx and store nothing. It never returns
   the tasks: their leases expire and the real RaaS runs them.
+* ``dataflow_fresh_state``: kill -9 the dataflow and the trainer, start the dataflow on a new
+  ``state_dir`` on the same port (a new run) and a fresh trainer; the RaaS keeps running. It
+  must say that the dataflow's run changed and exit ``RUN_CHANGED_EXIT`` (it holds the old run's
+  weights and the new run has published nothing: its v0 is the initial model); the harness then
+  starts a new RaaS, as the launcher's supervisor would (:func:`restart_on_fresh_state`).
+  ``cross_run_samples``: samples the new run accepted from the RaaS that held the old run's
+  weights (must be 0); the old state's audit right after the kill is ``detail.old_run``.
 
 After each: the trainer must exit 0 with the dataflow at the target version (``completed``), then
 every component is stopped and :func:`astralight.dataflow.audit.audit` reads the state.
@@ -57,7 +70,8 @@ import yaml
 from astralight.launch import Component as LaunchComponent
 
 SCENARIOS = ("dataflow_kill", "raas_kill", "trainer_kill", "partition", "disk_full",
-             "garbage_raas")
+             "dataflow_fresh_state",
+             "garbage_raas", "state_disk_full")
 PY = [sys.executable, "-m", "astralight.cli"]
 
 
@@ -87,6 +101,7 @@ class Settings:
     partition_mode: str = "refuse"
     disk_mb: int = 24             # tmpfs over the weight store (disk_full)
     disk_full_refusals: int = 3   # the disk stays full until this many uploads were refused
+    state_disk_mb: int = 128      # tmpfs over the whole state_dir (state_disk_full)
     max_concurrency: int = 16     # RaaS tasks per lease cycle
     timeout_s: float = 360.0      # the whole scenario
     pin_cpus: bool = True         # the recipe's cpu_affinity (trainer and RaaS on their own core)
@@ -148,6 +163,8 @@ class FaultRun:
         self.configure(free_port())
         self.state_dir = Path(self._cfg("dataflow")["state_dir"])
         self.db = self.state_dir / "dataflow.db"
+        #: where a dataflow on a state tmpfs leaves a copy of its state when it exits
+        self.saved_state = self.work / "dataflow-saved"
         self.ckpt_dir = self.work / "checkpoints" / "policy"
         self.dataflow: Component | None = None
         self.raas: Component | None = None
@@ -218,10 +235,11 @@ class FaultRun:
     # ------------------------------------------------------------------ components
 
     def start_dataflow(self, weights_tmpfs_mb: int | None = None,
-                       first_start: bool = False) -> Component:
+                       first_start: bool = False, state_tmpfs_mb: int | None = None) -> Component:
         """Start (or restart, same state_dir and port) the dataflow; wait for its ready line.
         ``weights_tmpfs_mb``: run it under ``unshare -rm`` with a tmpfs of that size mounted over
-        its weight store."""
+        its weight store; ``state_tmpfs_mb``: the same over its whole state_dir
+        (:func:`state_tmpfs_argv`)."""
         argv = PY + ["dataflow", "serve", "--config", str(self.paths["dataflow"])]
         if weights_tmpfs_mb:
             weights = self.state_dir / "weights"
@@ -229,6 +247,8 @@ class FaultRun:
             script = (f"mount -t tmpfs -o size={int(weights_tmpfs_mb)}m astralight-faults "
                       f"{_sh(weights)} && exec " + " ".join(_sh(a) for a in argv))
             argv = ["unshare", "-rm", "sh", "-c", script]
+        if state_tmpfs_mb:
+            argv = state_tmpfs_argv(argv, self.state_dir, self.saved_state, state_tmpfs_mb)
         comp = Component("dataflow", argv, self.work / "logs" / "dataflow.log",
                          env=self._env("dataflow"), cpus=self.cpus.get("dataflow"))
         seen = comp.text().count("dataflow serving on http")
@@ -244,7 +264,8 @@ class FaultRun:
                     and "address already in use" in comp.text().lower()):
                 log(f"port {self.port} taken meanwhile; configuring another")
                 self.configure(free_port())
-                return self.start_dataflow(weights_tmpfs_mb, first_start=False)
+                return self.start_dataflow(weights_tmpfs_mb, first_start=False,
+                                           state_tmpfs_mb=state_tmpfs_mb)
             raise
         return comp
 
@@ -267,12 +288,22 @@ class FaultRun:
         self.trainer = comp
         return comp
 
-    def start_all(self, raas_url=None, weights_tmpfs_mb: int | None = None) -> None:
+    def start_all(self, raas_url=None, weights_tmpfs_mb: int | None = None,
+                  state_tmpfs_mb: int | None = None) -> None:
         """Dataflow, then RaaS (at ``raas_url``: a URL, or a callable of the dataflow's port
         returning one, e.g. a proxy's), then trainer."""
-        self.start_dataflow(weights_tmpfs_mb, first_start=True)
+        self.start_dataflow(weights_tmpfs_mb, first_start=True, state_tmpfs_mb=state_tmpfs_mb)
         self.start_raas(raas_url(self.port) if callable(raas_url) else raas_url)
         self.start_trainer()
+
+    def use_state_dir(self, state_dir: Path) -> None:
+        """Point the dataflow's config (and :attr:`db`, what is audited) at ``state_dir``: the
+        next start is a new run on a fresh state."""
+        df = self._cfg("dataflow")
+        df["state_dir"] = str(state_dir)
+        self.paths["dataflow"].write_text(yaml.safe_dump(df, sort_keys=False))
+        self.state_dir = Path(state_dir)
+        self.db = self.state_dir / "dataflow.db"
 
     def retire(self, comp: Component) -> None:
         comp.kill9()
@@ -390,6 +421,61 @@ def _sh(text) -> str:
     return shlex.quote(str(text))
 
 
+# ---------------------------------------------------------------------- a new run
+
+
+def _rows(db: Path, sql: str, *args) -> list:
+    """Rows of a read-only query of a state's database."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def restart_on_fresh_state(run: FaultRun, timeout_s: float) -> tuple[float, dict]:
+    """The ``dataflow_fresh_state`` fault: kill -9 the dataflow and the trainer (audit the old
+    state as the kill left it), start the dataflow on a new ``state_dir`` (same port) and a fresh
+    trainer, wait for the running RaaS to say the run changed and exit, then start a new RaaS
+    (what the launcher's supervisor does). Returns the time the fault was cleared (the new
+    dataflow up) and what was seen; ``run.db`` is the new state's afterwards."""
+    from astralight.raas.membership import RUN_CHANGED_EXIT
+
+    old_raas, old_db = run.raas, run.db
+    run.retire(run.dataflow)
+    run.retire(run.trainer)
+    dead = run.audit()
+    old_ids = [r[0] for r in _rows(old_db, "SELECT instance_id FROM instances")]
+    run.use_state_dir(run.work / "dataflow-new-run")
+    run.start_dataflow()
+    t_clear = time.time()
+    run.start_trainer()
+    run.wait(lambda: not old_raas.alive(), timeout_s, "the RaaS to leave the old run",
+             comps=[run.dataflow, run.trainer])
+    said = [ln for ln in old_raas.text().splitlines() if "the dataflow's run changed" in ln]
+    run.retired.append(old_raas)
+    run.start_raas(name="raas-2")
+    run_ids = [json.loads(_rows(db, "SELECT value FROM meta WHERE key='run_id'")[0][0])
+               for db in (old_db, run.db)]
+    return t_clear, {
+        "old_run": {k: dead[k] for k in ("balanced", "samples_lost", "duplicates_trained",
+                                         "samples_accepted", "samples_trained")},
+        "run_ids": run_ids, "raas_exit": old_raas.proc.returncode,
+        "raas_exit_expected": RUN_CHANGED_EXIT, "raas_said": said[-1][:300] if said else None,
+        "old_instances": old_ids}
+
+
+def cross_run_samples(db: Path, old_instances: list[str]) -> int:
+    """Samples the run of ``db`` accepted from instances of the old run (the RaaS that held its
+    weights rejoins under the same id): each would be the old run's weights trained as this
+    run's."""
+    if not old_instances:
+        return 0
+    marks = ",".join("?" * len(old_instances))
+    return int(_rows(db, f"SELECT COALESCE(SUM(samples_pushed), 0) FROM instances "
+                         f"WHERE instance_id IN ({marks})", *old_instances)[0][0])
+
+
 # ---------------------------------------------------------------------- disk
 
 
@@ -416,6 +502,51 @@ def _is_tmpfs(path: Path) -> bool:
         return os.statvfs(path).f_blocks > 0
     except OSError:
         return False
+
+
+def state_tmpfs_argv(argv: list[str], state_dir: Path, saved: Path, mb: int) -> list[str]:
+    """``argv`` (the dataflow's command) under ``unshare -rm`` with a tmpfs of ``mb`` MiB over
+    its whole ``state_dir``. The tmpfs goes with the mount namespace, so the wrapper shell runs
+    the dataflow as its child (SIGTERM / SIGINT passed on) and, once it exited, copies the
+    state's database files to ``saved`` for the audit."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    script = (f"mount -t tmpfs -o size={int(mb)}m astralight-faults {_sh(state_dir)} || exit 1\n"
+              f"{' '.join(_sh(a) for a in argv)} & pid=$!\n"
+              "trap 'kill -TERM $pid' TERM; trap 'kill -INT $pid' INT\n"
+              "wait $pid; while kill -0 $pid 2>/dev/null; do wait $pid; done\n"
+              f"rm -rf {_sh(saved)} && mkdir -p {_sh(saved)} && "
+              f"cp -a {_sh(state_dir)}/dataflow.* {_sh(saved)}/\n")
+    return ["unshare", "-rm", "sh", "-c", script]
+
+
+#: what the dataflow logs when a full state_dir starts refusing writes, and when the episode
+#: ends (writes succeed again after a quiet spell, or the service closes)
+STATE_FULL, STATE_BACK = "every write is refused with 507", "write(s) were refused with 507"
+
+
+def refused_5xx(run: FaultRun) -> int:
+    """5xx answers the dataflow gave so far, over every client (``/v1/stats``)."""
+    clients = (run.stats() or {}).get("clients") or {}
+    return sum(int(c.get("failures_5xx", 0)) for c in clients.values())
+
+
+def state_outage(dataflow_log: str, clients: list[Component]) -> dict:
+    """What a ``state_disk_full`` run logged: the dataflow's episode lines (one when the fault
+    started, one when writes succeeded again with the count refused), its tracebacks and 500s,
+    and each client's "cannot store anything" lines (one per episode each)."""
+    import re
+
+    lines = dataflow_log.splitlines()
+    started = [ln for ln in lines if STATE_FULL in ln]
+    ended = [ln for ln in lines if STATE_BACK in ln]
+    counts = [re.search(r"(\d+) write\(s\) were refused", ln) for ln in ended]
+    return {"episodes_started": len(started), "episodes_ended": len(ended),
+            "state_refusals": sum(int(m.group(1)) for m in counts if m),
+            "state_full_line": started[0].split(": ", 1)[-1][:300] if started else None,
+            "tracebacks": dataflow_log.count("Traceback"),
+            "answers_500": sum("-> 500" in ln for ln in lines),
+            "clients_said": {c.name: sum("cannot store anything (507)" in ln
+                                         for ln in c.text().splitlines()) for c in clients}}
 
 
 # ---------------------------------------------------------------------- garbage
@@ -562,6 +693,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
         raise ValueError(f"scenario: {name!r} is not one of {SCENARIOS}")
     t0 = time.time()
     run = FaultRun(Path(work) / name, model_dir, settings)
+    if name == "state_disk_full":  # the state lives on a tmpfs: audited from the copy it leaves
+        run.db = run.saved_state / "dataflow.db"
     out: dict[str, Any] = {"scenario": name, "completed": False}
     detail: dict[str, Any] = {}
     t_clear = None
@@ -578,7 +711,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
                                     max_lifetime_s=s.timeout_s + 120).start_in_thread()
                 return proxy.url
         run.start_all(raas_url=raas_url,
-                      weights_tmpfs_mb=s.disk_mb if name == "disk_full" else None)
+                      weights_tmpfs_mb=s.disk_mb if name == "disk_full" else None,
+                      state_tmpfs_mb=s.state_disk_mb if name == "state_disk_full" else None)
         log(f"{name}: components started in {run.work}")
         run.wait_version(s.fault_at, s.timeout_s)
         log(f"{name}: version {run.version()}, injecting the fault")
@@ -655,6 +789,20 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
                                                   for ln in run.dataflow.text().splitlines()))
             filler.unlink()
             t_clear = time.time()
+        elif name == "dataflow_fresh_state":
+            t_clear, seen = restart_on_fresh_state(run, s.timeout_s)
+            detail.update(seen)
+        elif name == "state_disk_full":
+            filler = fill_disk(run.dataflow, run.state_dir)
+            mark = refused_5xx(run)
+            # full until the dataflow said so and refused that many requests (clients retry them)
+            run.wait(lambda: STATE_FULL in run.dataflow.text()
+                     and refused_5xx(run) >= mark + s.disk_full_refusals, s.timeout_s,
+                     f"{s.disk_full_refusals} requests refused with 507 naming state_dir",
+                     poll_s=0.1)
+            detail.update(version_when_full=run.version(), refused_5xx=refused_5xx(run) - mark)
+            filler.unlink()
+            t_clear = time.time()
         elif name == "garbage_raas":
             g = garbage_pushes(run.url, vocab_size(model_dir), run._cfg("dataflow")["group_size"],
                                run.db, version=run.version(), skip=s.garbage_skip)
@@ -663,6 +811,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
         out["fault_s"] = round(t_clear - t_fault, 2)
         log(f"{name}: fault cleared after {out['fault_s']}s; waiting for version {s.versions}")
         out.update(run.finish(max(30.0, s.timeout_s - (time.time() - t0))))
+        if name == "state_disk_full":
+            detail.update(state_outage(run.dataflow.text(), [run.raas, run.trainer]))
         if name == "disk_full":  # publication resumed once the disk had room again
             detail["published_after_free"] = out["final_version"] > detail["version_when_freed"]
             detail["trainer_publish_errors"] = sum(  # what the trainer's publisher logged
@@ -695,6 +845,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
         detail["trainer_error"] = run.trainer_error
     if run.db.exists():
         detail["counters"] = run.counters()
+    if "old_instances" in detail and run.db.exists():  # (dataflow_fresh_state)
+        out["cross_run_samples"] = cross_run_samples(run.db, detail["old_instances"])
     out["detail"] = detail
     out["wall_s"] = round(time.time() - t0, 1)
     out["work"] = str(run.work)

@@ -101,8 +101,9 @@ def create_app(config: DataflowConfig, token: str | None = None,
                 wake.notify(await run_in_threadpool(core.requeue_expired_batches))
                 if core.gc_due():  # a full version's weights_keep_s grace period ended
                     await run_in_threadpool(core.gc_weights)
-            except Exception:  # keep sweeping; the error is in the log
-                log.exception("sweep failed")
+            except Exception as exc:  # keep sweeping; the error is in the log
+                if not getattr(exc, "logged", False):  # (a full state_dir: logged per episode)
+                    log.exception("sweep failed")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -63,6 +63,15 @@ Definitions (what :func:`audit` returns):
   versions published from them were served); these figures say how much training was redone,
   and the ``samples_rolled_back`` counter must match the marked batches.
 
+* ``commits`` / ``commits_counted``: the committed transactions the database counts (meta
+  ``commits``) and the durable ones the file ``state_dir/dataflow.commits`` counted outside SQLite
+  (None: no file); ``commits_lost``: how many of those the database no longer holds (its WAL
+  deleted or damaged: both ledgers above lose the same transactions, so only this shows it),
+  plus those lost at an earlier start that ``allow_lost_commits`` accepted (meta
+  ``commits_lost``). Any is a mismatch (:mod:`astralight.dataflow.commit_counter`). The file is
+  read before the database's snapshot is taken, so a service writing meanwhile never makes the
+  database look behind.
+
 What the database cannot show: a batch trained but never acked (a trainer killed after its step)
 is re-served after the ack timeout and trained again (the trainer's resume contract).
 """
@@ -77,16 +86,21 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from astralight.dataflow import commit_counter
+
 #: sample states the service writes (anything else is counted lost)
 SAMPLE_STATES = ("queued", "served", "acked", "filtered", "stale")
 TASK_CLASSES = ("trained", "filtered", "stale", "pending", "lost")
 PENDING_CLASSES = ("unleased", "leased", "queued", "in_batch")
 
 
-def _connect(db_path: str | Path) -> sqlite3.Connection:
+def _db_file(db_path: str | Path) -> Path:
     path = Path(db_path)
-    if path.is_dir():  # a state_dir was given
-        path = path / "dataflow.db"
+    return path / "dataflow.db" if path.is_dir() else path  # a state_dir was given
+
+
+def _connect(db_path: str | Path) -> sqlite3.Connection:
+    path = _db_file(db_path)
     if not path.is_file():
         raise FileNotFoundError(f"db_path: no dataflow database at {path} (give the state_dir "
                                 "or its dataflow.db)")
@@ -111,10 +125,37 @@ def audit(db_path: str | Path) -> dict[str, Any]:
     read-only; see the module docstring for every definition."""
     conn = _connect(db_path)
     try:
+        # the count outside SQLite first: it never runs ahead of what is durable, so a snapshot
+        # taken after it holds at least that many commits (module docstring)
+        counter = commit_counter.CommitCounter(commit_counter.counter_path(_db_file(db_path)))
+        counted = counter.read()
         conn.execute("BEGIN")  # one snapshot for every query, even with the service writing
-        return _audit(conn)
+        report = _audit(conn)
+        _check_commits(conn, counted, counter.path.name, report)
+        return report
     finally:
         conn.close()
+
+
+def _check_commits(conn: sqlite3.Connection, counted: int | None, file_name: str,
+                   report: dict[str, Any]) -> None:
+    """Add ``commits``, ``commits_counted`` and ``commits_lost`` to ``report``, and a mismatch
+    (not balanced) for any commit lost (module docstring)."""
+    have = commit_counter.db_count(conn)
+    lost_before = commit_counter.db_count(conn, commit_counter.LOST_KEY)
+    lost_now = max(0, counted - have) if counted is not None else 0
+    report.update(commits=have, commits_counted=counted, commits_lost=lost_now + lost_before)
+    if lost_now:
+        report["mismatches"].append(
+            f"state_dir: the database holds {have} committed transactions but {file_name} "
+            f"counted {counted} durable ones: {lost_now} committed transactions are lost (a "
+            "deleted or damaged WAL, or an older copy of dataflow.db)")
+    if lost_before:
+        report["mismatches"].append(
+            f"state_dir: {lost_before} committed transactions were found lost at an earlier start "
+            "and accepted (allow_lost_commits)")
+    if lost_now or lost_before:
+        report["balanced"] = False
 
 
 def _audit(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -298,6 +339,10 @@ def format_report(report: dict) -> str:
         f"rolled back by trainer restarts: {report.get('batches_rolled_back', 0)} batches "
         f"({report.get('samples_rolled_back', 0)} samples) trained into weights a crash discarded",
     ]
+    if report.get("commits_counted") is not None or report.get("commits_lost"):
+        lines.append(f"commits: {report.get('commits')} in the database, "
+                     f"{report.get('commits_counted')} counted outside it, "
+                     f"{report.get('commits_lost', 0)} lost")
     lines += [f"mismatch: {m}" for m in report["mismatches"]]
     return "\n".join(lines)
 

@@ -21,7 +21,9 @@ callbacks, the autoscaler -- reaches a TLS dataflow by setting that one environm
 Connection failures are retried with backoff for up to ``retry_s`` seconds so that a restarting
 service is waited for (every route is safe to repeat: pushes are idempotent by task id, and a
 pulled batch whose answer got lost is re-served after the ack timeout). A 4xx/5xx answer raises
-:class:`DataflowError` carrying the server's message, which names the bad field.
+:class:`DataflowError` carrying the server's message, which names the bad field; except that a
+507 naming ``state_dir`` (the service's disk is full: nothing was stored) is retried like an
+unreachable service first, logged once per episode (:mod:`~astralight.dataflow.client_storage`).
 
 Waiting is never silent and never deaf: a call that has retried for :data:`WAIT_LOG_AFTER_S`
 logs ``waiting for the dataflow at URL (n s ...)`` (a warning, so that a process that configured
@@ -46,10 +48,12 @@ from astralight.dataflow.client_credentials import (INSTANCE_SECRET_HEADER, INST
 from astralight.dataflow.client_errors import DataflowError, DataflowStopped, DataflowUnreachable
 from astralight.dataflow.client_reports import ReportCalls
 from astralight.dataflow.client_rollout import RolloutCalls
+from astralight.dataflow.client_storage import retry_refusal
 from astralight.dataflow.client_stop import (STOP_WAITING, StopWaiting, _on_sigterm,
                                              _PREVIOUS_SIGTERM, wake_on_sigterm)
 from astralight.dataflow.client_trainer import ACK_TIMEOUT_HEADER, TrainerCalls
 from astralight.dataflow.client_weights import WeightCalls, _DownloadProgress
+from astralight.dataflow.run_id import RUN_ID_HEADER
 from astralight.protocol import WeightManifest, decode, encode
 
 __all__ = ["ACK_TIMEOUT_HEADER", "INSTANCE_SECRET_HEADER", "INSTANCE_SECRETS", "MSGPACK",
@@ -110,7 +114,13 @@ class DataflowClient(ReportCalls, RolloutCalls, TrainerCalls, WeightCalls):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   verify=tls_verify(ca_file, verify))
-        self._manifests: dict[tuple[str, int], WeightManifest] = {}  # versions are immutable
+        self._manifests: dict[tuple[str, int], WeightManifest] = {}  # immutable within a run
+        #: the dataflow's run id as its last answer naming one said (the version and manifest
+        #: routes: :mod:`astralight.dataflow.run_id`); None until one did
+        self.run_id: str | None = None
+        #: the run id every push names (the run the pushed samples were generated for): a
+        #: dataflow of another run refuses them (409 ``run_id``). None: pushes name none
+        self.push_run_id: str | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -143,7 +153,10 @@ class DataflowClient(ReportCalls, RolloutCalls, TrainerCalls, WeightCalls):
                     content = _chunks(raw)  # a fresh iterator per attempt
                 resp = self._http.request(method, path, content=content, headers=hdrs,
                                           timeout=timeout or self.timeout)
-                break
+                # a full state_dir (507): retried like an unreachable service, logged once
+                if not retry_refusal(self, resp, deadline, delay, STOP_POLL_S):
+                    break
+                delay = min(delay * 2, 2.0)
             except httpx.TransportError as exc:
                 if isinstance(exc, httpx.ConnectError) and (
                         isinstance(exc.__context__, ssl.SSLCertVerificationError)
@@ -176,7 +189,18 @@ class DataflowClient(ReportCalls, RolloutCalls, TrainerCalls, WeightCalls):
                 field = err.get("field")
             raise DataflowError(resp.status_code, str(message), field,
                                 err if isinstance(err, dict) else None)
+        self._note_run(resp.headers.get(RUN_ID_HEADER))
         return resp
+
+    def _note_run(self, run_id: str | None) -> None:
+        """Keep the run id an answer named; another run than the last one empties the manifest
+        cache (version numbers start again at 0 in a new run: v3 of the new run is not the
+        cached v3 of the old one)."""
+        if not run_id or run_id == self.run_id:
+            return
+        if self.run_id is not None:
+            self._manifests.clear()
+        self.run_id = run_id
 
     def _stop_reason(self) -> str | None:
         """Why this client must not retry now (None: it may)."""

@@ -85,9 +85,17 @@ class RolloutCalls:
 
     def push(self, instance_id: str, task_id: str, samples: list) -> dict:
         """Push one task's samples; returns ``{accepted, filtered, duplicate}`` once they are
-        durable. Idempotent: a task already accepted answers ``duplicate=True``."""
-        return self._call("POST", "/v1/push", {"instance_id": instance_id, "task_id": task_id,
-                                               "samples": list(samples)}, instance_id=instance_id)
+        durable. Idempotent: a task already accepted answers ``duplicate=True``. Names
+        :attr:`push_run_id` when set (a dataflow of another run refuses: 409 ``run_id``)."""
+        return self._call("POST", "/v1/push", self._with_run({
+            "instance_id": instance_id, "task_id": task_id, "samples": list(samples)}),
+            instance_id=instance_id)
+
+    def _with_run(self, body: dict) -> dict:
+        """``body`` naming :attr:`push_run_id` (the run the samples were generated for), if set:
+        a dataflow of another run refuses the push (409 ``run_id``)."""
+        run_id = getattr(self, "push_run_id", None)
+        return {**body, "run_id": run_id} if run_id else body
 
     def push_many(self, instance_id: str,
                   items: list[tuple[str, list[Sample]]]) -> list[dict | Exception]:
@@ -106,8 +114,9 @@ class RolloutCalls:
         if not items:
             return []
         try:
-            out = self._call("POST", "/v1/push_many", {"instance_id": instance_id, "items": [
-                {"task_id": task_id, "samples": samples} for task_id, samples in items]},
+            out = self._call("POST", "/v1/push_many", self._with_run({
+                "instance_id": instance_id, "items": [
+                    {"task_id": task_id, "samples": samples} for task_id, samples in items]}),
                 instance_id=instance_id)
             return [self._push_result(r) for r in out["results"]]
         except DataflowError as exc:

@@ -125,7 +125,31 @@ class DataflowConfig:
         max_clients_tracked: client addresses (and, separately, instance ids) whose requests and
             failures ``/v1/stats`` keeps (``clients``, ``client_instances``); least recently seen
             forgotten first.
+        header_timeout_s: a connection must send its complete request head (request line and
+            headers) within this many seconds of connecting, or of the end of its previous
+            response; else it is closed (a 408 naming this key if it sent part of one), so
+            stalled or half-sent connections cannot pile up. A request whose head has arrived is
+            never cut short by it (long polls, slow uploads). Raise it only for clients on links
+            so slow that a few hundred bytes take longer. See
+            :mod:`astralight.dataflow.http_connections`.
+        max_connections: open connections the service holds at most. At the limit a new
+            connection first closes the one that has waited longest for a request head
+            (stalled or idle); only when every connection is busy with a request is the new one
+            refused (clients retry). A run's trainers, RaaS instances and monitors use tens;
+            the process needs about this many plus 128 file descriptors (``ulimit -n``: the
+            service raises its soft limit; below that, the hard limit lowers this one, with a
+            warning at start). Timeouts, evictions and refusals are logged once per episode,
+            with counts.
         state_dir: holds the SQLite database and the weight store; reuse it to resume.
+        integrity_check_s: at start, ``PRAGMA quick_check`` of the state's database stops after
+            this many seconds (it reads the whole file: about as long as reading it from disk);
+            its size, time and outcome are logged, and a damaged database stops the service
+            with one line naming ``state_dir``. 0: skip the check.
+        allow_lost_commits: start on a state whose database holds fewer committed transactions
+            than the count kept outside SQLite (``state_dir/dataflow.commits``: its WAL was
+            deleted or damaged, or dataflow.db was replaced by an older copy). Off: the service
+            refuses to start and says so. On: it goes on from what is left and records the
+            loss, which the audit then reports (the state never balances again).
         model_ids: the policies served; every train task names all of them.
         workflow: workflow name written into each task for the RaaS.
         source: train prompt source ``{class_path, init_args}`` (a PromptSource).
@@ -252,7 +276,11 @@ class DataflowConfig:
     tls_certfile: Optional[str] = None
     tls_keyfile: Optional[str] = None
     max_clients_tracked: int = 1024
+    header_timeout_s: float = 10.0
+    max_connections: int = 512
     state_dir: str = "./dataflow_state"
+    integrity_check_s: float = 60.0
+    allow_lost_commits: bool = False
     model_ids: list[str] = field(default_factory=lambda: ["policy"])
     workflow: str = "single_turn"
     source: dict = field(default_factory=_default_source)
@@ -348,6 +376,9 @@ class DataflowConfig:
                              f"got {self.curator_max_skips}")
         if not self.plugin_state_every_s > 0:
             raise ValueError(f"plugin_state_every_s: must be > 0, got {self.plugin_state_every_s}")
+        if not self.integrity_check_s >= 0:  # (also refuses NaN)
+            raise ValueError(f"integrity_check_s: must be >= 0 seconds (0: no start-up check), "
+                             f"got {self.integrity_check_s}")
         positive = {"group_size": self.group_size, "lease_seconds": self.lease_seconds,
                     "max_buffered_samples": self.max_buffered_samples,
                     "max_inflight_tasks": self.max_inflight_tasks,
@@ -355,6 +386,8 @@ class DataflowConfig:
                     "max_weight_file_bytes": self.max_weight_file_bytes,
                     "batch_ack_timeout_s": self.batch_ack_timeout_s,
                     "max_samples_per_rollout": self.max_samples_per_rollout,
+                    "header_timeout_s": self.header_timeout_s,
+                    "max_connections": self.max_connections,
                     "eval.every": self.eval.every, "eval.k": self.eval.k}
         for name, value in positive.items():
             if not value > 0:

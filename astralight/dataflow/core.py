@@ -29,6 +29,7 @@ and waits once for them all.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,7 +38,7 @@ from astralight.dataflow import balance, batches, demand, evals, ingest, members
 from astralight.dataflow.config import DataflowConfig, build_plugins, instantiate_plugin
 from astralight.dataflow.counters import COUNTERS, check_counter
 from astralight.dataflow.durability import DurableLock
-from astralight.dataflow.errors import ServiceError
+from astralight.dataflow.errors import ServiceError, StateDirError
 from astralight.dataflow.leasing import TaskLeasing
 from astralight.dataflow.parts import Shared
 from astralight.dataflow.plugin_state import PluginState
@@ -45,6 +46,8 @@ from astralight.dataflow.plugins import DataPlugin
 from astralight.dataflow.pool import Pool
 from astralight.dataflow.queues import FreshQueue
 from astralight.dataflow.replay import ReplayPool
+from astralight.dataflow.run_id import open_run_id
+from astralight.dataflow.storage_faults import opening_error
 from astralight.dataflow.store import Store
 from astralight.dataflow.versions import Publisher, WeightIndex
 from astralight.dataflow.weightfiles import WeightFiles
@@ -60,6 +63,24 @@ class Dataflow:
     """All service state behind one lock; see the module docstring."""
 
     def __init__(self, config: DataflowConfig):
+        try:
+            self._open(config)
+        except (ServiceError, sqlite3.Error) as exc:  # the state failed while opening
+            if isinstance(exc, ServiceError) and exc.status != 507:
+                raise
+            store = getattr(self, "store", None)
+            if store is not None:
+                store.conn.close()
+                store.counter.close()
+            if isinstance(exc, ServiceError):  # a write refused: full or unwritable (507)
+                raise StateDirError(f"{exc.field}: the dataflow cannot start: {exc.message}"
+                                    ) from None
+            db = Path(config.state_dir) / "dataflow.db"
+            raise opening_error(db.parent, db, exc) from None
+
+    def _open(self, config: DataflowConfig) -> None:
+        """Open the state and build every part on it (a :class:`StateDirError` -- one line naming
+        ``state_dir`` -- for a state it must not serve: :mod:`astralight.dataflow.store`)."""
         self.config = config
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -71,7 +92,9 @@ class Dataflow:
         if config.eval.source is not None:
             self.eval_source = instantiate_plugin(config.eval.source, PromptSource, "eval.source")
             self.eval_prompts = evals.check_source(self.eval_source)
-        self.store = Store(self.state_dir / "dataflow.db", group_commit=config.group_commit)
+        self.store = Store(self.state_dir / "dataflow.db", group_commit=config.group_commit,
+                           integrity_check_s=config.integrity_check_s,
+                           allow_lost_commits=config.allow_lost_commits)
         #: every request holds it; its outermost release waits until the commits are durable
         self.lock = DurableLock(self.store.durability)
         self.opened_at = time.time()  # batch ack timeouts count from here at the earliest
@@ -133,12 +156,14 @@ class Dataflow:
                 started_at = self.store.first_activity() or time.time()
                 self.store.set_meta("started_at", started_at)
             tx.after_commit(setattr, self, "started_at", started_at)
+            #: this state's run (kept across restarts on it; a fresh state_dir gets a new one)
+            tx.after_commit(setattr, self, "run_id", open_run_id(self.store))
             for m in self.model_ids:  # version 0 at a fresh start; any version a crash left unscheduled
                 self.evals.maybe_schedule(m, self.versions[m], time.time())
         self.store.durability.wait()  # what opening wrote is on disk before the first answer
-        log.info("dataflow state in %s: versions %s, queued %s, open train tasks %d",
-                 self.state_dir, self.versions, {m: len(q) for m, q in self.queues.items()},
-                 self.open_train)
+        log.info("dataflow state in %s (run %s): versions %s, queued %s, open train tasks %d",
+                 self.state_dir, self.run_id, self.versions,
+                 {m: len(q) for m, q in self.queues.items()}, self.open_train)
 
     # ------------------------------------------------------------------ data plugins
 
@@ -156,8 +181,11 @@ class Dataflow:
             try:
                 with self.store.tx() as tx:
                     self.plugin_state.save(tx, time.time())
-            except Exception:  # never lose the database close over a plugin's state
-                log.exception("could not save the data plugins' state at shutdown")
+            except Exception as exc:  # never lose the database close over a plugin's state
+                if getattr(exc, "logged", False):  # a full state_dir: its line says why
+                    log.error("could not save the data plugins' state at shutdown: %s", exc)
+                else:
+                    log.exception("could not save the data plugins' state at shutdown")
             self.store.close()
 
     # ------------------------------------------------------------------ helpers
@@ -178,7 +206,8 @@ class Dataflow:
     def info(self) -> dict:
         cfg = self.config
         return {"service": "astralight-dataflow", "schema": SCHEMA_VERSION,
-                "model_ids": self.model_ids, "versions": dict(self.versions),
+                "run_id": self.run_id, "model_ids": self.model_ids,
+                "versions": dict(self.versions),
                 "workflow": cfg.workflow, "group_size": cfg.group_size,
                 "lease_seconds": cfg.lease_seconds, "suspect_failures": cfg.suspect_failures,
                 "slow_factor": cfg.slow_factor, "max_staleness": cfg.max_staleness,
@@ -213,7 +242,7 @@ class Dataflow:
             instance_id = self.pool.register(list(model_ids), capacity, instance_id, meta,
                                              capacity_units, now, limits)
         return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
-                "versions": dict(self.versions)}
+                "versions": dict(self.versions), "run_id": self.run_id}
 
     def heartbeat(self, instance_id: str, in_flight: int | None = None,
                   now: float | None = None, stats: dict | None = None) -> dict:
@@ -226,7 +255,7 @@ class Dataflow:
             state = self.pool.heartbeat(instance_id, in_flight,
                                         time.time() if now is None else now, stats)
             return {"instance_id": instance_id, "lease_seconds": self.config.lease_seconds,
-                    "versions": dict(self.versions),
+                    "versions": dict(self.versions), "run_id": self.run_id,
                     "drain": state in (membership.DRAINING, membership.LEFT)}
 
     def drain(self, instance_id: str, now: float | None = None) -> dict:
@@ -282,6 +311,16 @@ class Dataflow:
         """Per policy, what its trainers consume and the most outstanding samples worth
         generating for it (:meth:`TaskLeasing.demands`). Call with the lock held."""
         return self.leasing.demands()
+
+    def check_run(self, run_id: str | None, field: str = "run_id") -> None:
+        """Refuse (409 naming ``field``) what was made for another run than this state's:
+        samples generated with the weights of the run a restart on a fresh ``state_dir``
+        replaced (their versions would be taken for this run's). None: the caller did not say."""
+        if run_id is not None and run_id != self.run_id:
+            raise ServiceError(409, field, (
+                f"made for dataflow run {run_id!r}, but this dataflow runs {self.run_id!r} (it "
+                f"was restarted on another state_dir): samples generated with the other run's "
+                f"weights are refused; drop them and resync the weights from this run"))
 
     def push(self, instance_id: str, task_id: str, samples: list[Sample],
              now: float | None = None) -> dict:

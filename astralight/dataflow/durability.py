@@ -21,6 +21,12 @@ still in the WAL or a checkpoint has already moved it into the database.
 With ``group_commit: false`` SQLite fsyncs inside every COMMIT (``synchronous=FULL``, under the
 core's lock: one fsync per commit, the behaviour before group commit) and the waits here return
 at once.
+
+Whenever commits become durable (after the fsync that covers them; without group commit, at each
+commit), :class:`GroupSync` writes the store's count of the newest of them to the commit counter
+outside SQLite (:class:`~astralight.dataflow.commit_counter.CommitCounter`), before anyone
+waiting for them is released: every answered write is counted there, and the count never runs
+ahead of the disk (what detects a lost WAL at the next start).
 """
 
 from __future__ import annotations
@@ -32,11 +38,10 @@ from pathlib import Path
 from typing import Iterator
 
 from astralight.atomic_files import fsync_path
+from astralight.dataflow.commit_counter import CommitCounter
 from astralight.dataflow.errors import ServiceError
 
 log = logging.getLogger("astralight.dataflow")
-
-
 
 
 class GroupSync:
@@ -46,9 +51,13 @@ class GroupSync:
     by whoever must not answer before commit ``n`` is durable (outside the lock). An fsync
     failure poisons the object: the kernel may have dropped the dirty pages and a later fsync
     could report success without writing them, so no later commit is confirmed either.
+
+    ``counter``: the commit counter outside SQLite, written with the store's count (``seq`` of
+    :meth:`committed`) of the newest commit each time commits become durable.
     """
 
-    def __init__(self, wal_path: Path, db_path: Path, enabled: bool):
+    def __init__(self, wal_path: Path, db_path: Path, enabled: bool,
+                 counter: CommitCounter | None = None):
         self.wal_path = Path(wal_path)
         self.db_path = Path(db_path)
         self.enabled = enabled
@@ -58,20 +67,26 @@ class GroupSync:
         self._leader = False  # an fsync is under way
         self._failure: OSError | None = None
         self.fsyncs = 0
+        self.counter = counter
+        self._seq: int | None = None  # the store's count of the newest commit (None: not told)
 
     @property
     def last(self) -> int:
         """The number of the newest commit (what a wait for 'everything so far' waits for)."""
         return self._committed
 
-    def committed(self) -> int:
-        """Count a COMMIT that just returned; returns its number. Without group commit SQLite
+    def committed(self, seq: int | None = None) -> int:
+        """Count a COMMIT that just returned; returns its number. ``seq``: the store's count of
+        committed transactions it reached (for the commit counter). Without group commit SQLite
         fsynced it already, so it is durable at once."""
         with self._cond:
             self._committed += 1
+            if seq is not None:
+                self._seq = seq
             if not self.enabled:
                 self._durable = self._committed
                 self.fsyncs += 1
+                self._count(self._seq)
             return self._committed
 
     def counters(self) -> dict:
@@ -97,11 +112,12 @@ class GroupSync:
         """With the condition held: fsync the WAL for every commit made so far, with the
         condition released meanwhile so that new commits (and waiters) gather for the next."""
         self._leader = True
-        cover = self._committed
+        cover, seq = self._committed, self._seq
         self._cond.release()
         error = None
         try:
             self._fsync()
+            self._count(seq)  # before the waiters go: every answered write is counted
         except OSError as exc:
             error = exc
         finally:
@@ -136,6 +152,13 @@ class GroupSync:
         database, at close)."""
         with self._cond:
             self._durable = self._committed
+            self._count(self._seq)
+
+    def _count(self, seq: int | None) -> None:
+        """Write ``seq`` (the count of the newest durable commit) to the commit counter; never
+        raises (:meth:`CommitCounter.write`)."""
+        if self.counter is not None and seq is not None:
+            self.counter.write(seq)
 
 
 class DurableLock:

@@ -3,7 +3,12 @@ for a bad request (:class:`~astralight.dataflow.errors.ServiceError` with its ow
 :class:`~astralight.protocol.ProtocolError` and FastAPI's path/query validation as 422, a body
 cut off as 400) and a 500 for an unexpected exception, logged with its traceback. None of them
 stops the server; each failing field is noted for
-:class:`~astralight.dataflow.http_stats.ClientStats`."""
+:class:`~astralight.dataflow.http_stats.ClientStats`.
+
+A 500 carries ``Connection: close``: Starlette re-raises the exception after the handler's answer
+is sent (so that servers see it), and uvicorn then closes the connection. Without the header a
+keep-alive client would send its next request on a connection being closed under it, and get a
+reset instead of an answer (issue 41, item 6); with it, the client opens a new one."""
 
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ from astralight.protocol import ProtocolError
 log = logging.getLogger("astralight.dataflow")
 
 
-def error_response(status: int, field_name: str | None, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field_name}, status_code=status)
+def error_response(status: int, field_name: str | None, message: str,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "field": field_name}, status_code=status,
+                        headers=headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -30,8 +37,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
-        log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc)
-        note_request(field=exc.field)
+        if not exc.logged:  # (a storage fault is logged once per episode, not per request)
+            log.warning("%s %s -> %d %s", request.method, request.url.path, exc.status, exc)
+        note_request(field=exc.field, quiet=exc.logged)
         return error_response(exc.status, exc.field, str(exc))
 
     @app.exception_handler(ProtocolError)
@@ -56,4 +64,6 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("%s %s -> 500", request.method, request.url.path)
-        return error_response(500, None, f"internal error: {type(exc).__name__}: {exc}")
+        # the connection is closed after this answer (see the module): say so
+        return error_response(500, None, f"internal error: {type(exc).__name__}: {exc}",
+                              headers={"Connection": "close"})

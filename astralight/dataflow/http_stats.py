@@ -89,7 +89,9 @@ class ClientTracker:
         return entry
 
     def record(self, address: str, instance_id: str | None, status: int, method: str, path: str,
-               field_name: str | None, now: float | None = None) -> None:
+               field_name: str | None, now: float | None = None, quiet: bool = False) -> None:
+        """Count one answer; ``quiet``: a failure the service already logged (a storage fault,
+        logged once per episode), counted but not logged as the client's."""
         now = time.time() if now is None else now
         failed = status >= 400
         with self._lock:
@@ -110,7 +112,7 @@ class ClientTracker:
                 e.last_failure = {"time": now, "status": status, "method": method,
                                   "path": path[:200], "field": field_name}
                 n = e.failures_4xx + e.failures_5xx
-                if n in _LOG_AT:
+                if n in _LOG_AT and not quiet:
                     log.warning("client %s (%s): %d failed request(s), last %d %s %s (field %s)",
                                 key, kind, n, status, method, path[:200], field_name)
 
@@ -156,4 +158,4 @@ class ClientStats:
                 instance_id = info.get("instance_id")
                 self.tracker.record(address, instance_id if isinstance(instance_id, str) else None,
                                     status[0], scope.get("method", ""), scope.get("path", ""),
-                                    info.get("field"))
+                                    info.get("field"), quiet=bool(info.get("quiet")))

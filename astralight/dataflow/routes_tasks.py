@@ -6,6 +6,9 @@ An instance acts only with its secret and pushes only the tasks it holds
 durable (group commit: :mod:`astralight.dataflow.durability`), and accepted samples wake the
 pulls waiting for them (:class:`~astralight.dataflow.http_wakeups.Wakeups`).
 
+A push may name the ``run_id`` its samples were generated for (both routes, top level): a
+dataflow of another run, restarted on a fresh ``state_dir``, refuses it whole (409 ``run_id``).
+
 Batched pushes: ``POST /v1/push_many`` takes ``{instance_id, items: [{task_id, samples}]}``
 (1..``MAX_PUSH_ITEMS`` items, the whole body within ``max_body_bytes``) and pushes each item
 exactly as ``POST /v1/push`` would (idempotent per task). Each item is answered on its own, in
@@ -120,11 +123,20 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
 
     msgpack_post(app, "/v1/return", limit, return_tasks, then=wake.notify_room)
 
+    def check_run(msg: dict) -> None:
+        """A push naming the ``run_id`` its samples were generated for is refused (409) by a
+        dataflow of another run (:mod:`astralight.dataflow.run_id`)."""
+        run_id = field(msg, "run_id", str, None)
+        if run_id is not None:
+            check_id(run_id, "run_id")
+        core.check_run(run_id)
+
     def _push(data: bytes) -> dict:
-        msg = decode_map(data, limit, ("instance_id", "task_id", "samples"))
+        msg = decode_map(data, limit, ("instance_id", "task_id", "samples", "run_id"))
         samples = check_samples(field(msg, "samples", list))
         instance_id, task_id = id_field(msg, "instance_id"), id_field(msg, "task_id")
         access.own_instance(instance_id)
+        check_run(msg)
         if access.foreign_tasks(instance_id, [task_id]):
             raise foreign_task_error(task_id)
         return core.push(instance_id, task_id, samples)
@@ -141,9 +153,10 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
         """Decode ``{instance_id, items: [{task_id, samples}]}``; push every well-formed item
         (:meth:`Dataflow.push_many`); one answer per item, in order: ``{status: 200, reply}``
         or ``{status, error, field}`` as ``POST /v1/push`` of that item alone would answer."""
-        msg = decode_map(data, limit, ("instance_id", "items"))
+        msg = decode_map(data, limit, ("instance_id", "items", "run_id"))
         instance_id = id_field(msg, "instance_id")
         access.own_instance(instance_id)
+        check_run(msg)
         items = field(msg, "items", list)
         if not 0 < len(items) <= MAX_PUSH_ITEMS:
             raise ProtocolError("items", f"must hold 1..{MAX_PUSH_ITEMS} task groups, got "
@@ -160,12 +173,17 @@ def add_task_routes(app: FastAPI, core: Dataflow, config: DataflowConfig, access
             results[i] = push_item_error(foreign_task_error(task_id))
         good = [g for g in good if g[1][0] not in foreign]
         replies = core.push_many(instance_id, [item for _, item in good]) if good else []
+        logged = set()  # items refused by a storage fault: logged once per episode already
         for (i, _), reply in zip(good, replies):
             results[i] = (push_item_error(reply) if isinstance(reply, ServiceError)
                           else {"status": 200, "reply": reply})
+            if isinstance(reply, ServiceError) and reply.logged:
+                logged.add(i)
         for i, r in enumerate(results):
-            if r["status"] != 200:
+            if r["status"] != 200 and i not in logged:
                 log.warning("POST /v1/push_many items[%d] -> %d %s", i, r["status"], r["error"])
+        if logged:
+            note_request(quiet=True)
         return results
 
     @app.post("/v1/push_many")

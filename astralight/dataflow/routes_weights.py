@@ -1,7 +1,9 @@
 """Routes of versions and weights: the current version, weight file upload (streamed against
 ``max_weight_file_bytes``) and download (raw bytes, HTTP Range), publication of a manifest, and
-the published manifests. A trainer token bound to a model_id uploads and publishes for that
-model_id only; the core checks the uploads' sha256 and that versions only grow."""
+the published manifests (the version and manifest answers name the dataflow's run in the
+``X-Astralight-Run-Id`` header: :mod:`astralight.dataflow.run_id`). A trainer token bound to a
+model_id uploads and publishes for that model_id only; the core checks the uploads' sha256 and
+that versions only grow."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.http_access import BodyAccess
 from astralight.dataflow.http_bodies import check_version, msgpack_post, msgpack_response
 from astralight.dataflow.http_wakeups import Wakeups
+from astralight.dataflow.run_id import RUN_ID_HEADER
 from astralight.dataflow.weightfiles import fs_error
 from astralight.protocol import WeightManifest, decode, expect
 
@@ -25,9 +28,16 @@ def add_weight_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
                       access: BodyAccess, wake: Wakeups) -> None:
     limit = config.max_body_bytes
 
+    def with_run(response):
+        """``response`` naming this dataflow's run (:data:`RUN_ID_HEADER`): a RaaS polling
+        versions sees a restart on a fresh state_dir even before it registers again."""
+        response.headers[RUN_ID_HEADER] = core.run_id
+        return response
+
     @app.get("/v1/version/{model_id}")
     async def version(model_id: str):
-        return msgpack_response({"model_id": model_id, "version": core.current_version(model_id)})
+        return with_run(msgpack_response({"model_id": model_id, "run_id": core.run_id,
+                                          "version": core.current_version(model_id)}))
 
     @app.put("/v1/weights/{model_id}/{version}/{name}")
     async def upload(model_id: str, version: int, name: str, request: Request):
@@ -82,7 +92,7 @@ def add_weight_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
 
     @app.get("/v1/manifest/{model_id}/latest")
     async def latest_manifest(model_id: str):
-        return msgpack_response(await run_in_threadpool(core.manifest, model_id, None))
+        return with_run(msgpack_response(await run_in_threadpool(core.manifest, model_id, None)))
 
     @app.get("/v1/manifest/{model_id}/{version}")
     async def manifest(model_id: str, version: int):
@@ -90,4 +100,4 @@ def add_weight_routes(app: FastAPI, core: Dataflow, config: DataflowConfig,
         found = await run_in_threadpool(core.manifest, model_id, version)
         if found is None:
             raise ServiceError(404, "version", f"version {version} of {model_id!r} is not published")
-        return msgpack_response(found)
+        return with_run(msgpack_response(found))

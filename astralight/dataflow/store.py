@@ -17,6 +17,16 @@ Without it, ``synchronous=FULL`` makes every commit fsync the WAL itself. Either
 answered only once its samples are on disk. The store is not thread-safe on its own: the service
 core serialises all access with one lock (SQLite serialises writers anyway) and wraps each
 request in one :meth:`Store.tx`.
+
+Faults of the state itself:
+
+* Opening runs ``PRAGMA quick_check``, bounded by ``integrity_check_s``
+  (:mod:`astralight.dataflow.integrity`), and compares the database's count of committed
+  transactions with the count kept outside SQLite (:mod:`astralight.dataflow.commit_counter`):
+  a damaged database, or one that lost committed transactions (a deleted or damaged WAL), is a
+  :class:`StateDirError` -- one line naming ``state_dir`` and what to do -- never a traceback.
+* A write SQLite refuses for lack of space or an I/O error is a 507 naming ``state_dir``, logged
+  once per episode (:mod:`astralight.dataflow.storage_faults`).
 """
 
 from __future__ import annotations
@@ -28,7 +38,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from astralight.atomic_files import fsync_path
+from astralight.dataflow import commit_counter
 from astralight.dataflow.durability import GroupSync
+from astralight.dataflow.errors import StateDirError
+from astralight.dataflow.integrity import check_integrity
+from astralight.dataflow.storage_faults import WriteRefusals, opening_error
 from astralight.dataflow.rows import (BatchRow, EvalReportRow, EvalRunRow, InstanceRow,
                                       JournalEntry, SampleRow, TaskRow, VersionRow)
 from astralight.dataflow.transaction import Transaction
@@ -128,26 +142,60 @@ MIGRATIONS = {
 class Store:
     """A SQLite database under ``state_dir``; see the module docstring for what it holds."""
 
-    def __init__(self, path: str | Path, group_commit: bool = False):
+    def __init__(self, path: str | Path, group_commit: bool = False,
+                 integrity_check_s: float = 60.0, allow_lost_commits: bool = False):
         """Open (or create) the database; ``group_commit``: see the module docstring (off: every
-        commit fsyncs, for tools and tests that use a Store directly)."""
+        commit fsyncs, for tools and tests that use a Store directly). ``integrity_check_s``:
+        bound of the start-up ``quick_check`` (0: skip); ``allow_lost_commits``: open a state
+        that lost committed transactions (recorded, and reported by the audit) instead of
+        refusing. Raises :class:`StateDirError` for a state it must not open."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        #: writes refused for lack of space or an I/O error (507s, logged once per episode)
+        self.refusals = WriteRefusals(self.path.parent)
+        self.counter = commit_counter.CommitCounter(commit_counter.counter_path(self.path))
+        self.conn: sqlite3.Connection | None = None
+        try:
+            lost = self._open(group_commit, integrity_check_s, allow_lost_commits)
+        except BaseException as exc:
+            if self.conn is not None:
+                self.conn.close()
+            if isinstance(exc, sqlite3.Error):  # one line naming state_dir, not a traceback
+                raise opening_error(self.path.parent, self.path, exc) from None
+            raise
+        self.durability = GroupSync(Path(f"{self.path}-wal"), self.path, enabled=group_commit,
+                                    counter=self.counter)
+        if lost:  # accepted (allow_lost_commits): recorded, so the audit keeps reporting it
+            with self.tx():
+                commit_counter.set_db_count(self.conn, lost + commit_counter.db_count(
+                    self.conn, commit_counter.LOST_KEY), commit_counter.LOST_KEY)
+        if group_commit:  # the schema on disk, and the files' names in their folder
+            self.durability.wait(self.durability.committed())
+            fsync_path(self.path.parent)
+
+    def _open(self, group_commit: bool, integrity_check_s: float, allow_lost: bool) -> int:
+        """Connect, check the state (integrity, lost commits) and bring its schema up to date;
+        returns the commits found lost (0 unless ``allow_lost``)."""
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per request.
         self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
         mode = self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
-            raise RuntimeError(f"state_dir: SQLite at {self.path} refused WAL mode (got {mode}); "
-                               "put state_dir on a local file system")
+            raise StateDirError(f"state_dir: SQLite at {self.path} refused WAL mode (got {mode}); "
+                                "put state_dir on a local file system")
         self.conn.execute(f"PRAGMA synchronous={'NORMAL' if group_commit else 'FULL'}")
         self.conn.execute("PRAGMA busy_timeout=10000")
+        # the checks come before the schema and migrations write anything: a state refused is
+        # left as it was found (for a backup, a forensic copy, or allow_lost_commits)
+        #: the start-up quick_check's result (None: skipped)
+        self.integrity = check_integrity(self.path.parent, self.path, self.conn,
+                                         integrity_check_s)
+        lost = commit_counter.check_commits(self.path.parent, self.conn, self.counter, allow_lost)
         self.conn.executescript(SCHEMA)
         self._migrate()
-        self.durability = GroupSync(Path(f"{self.path}-wal"), self.path, enabled=group_commit)
-        if group_commit:  # the schema on disk, and the files' names in their folder
-            self.durability.wait(self.durability.committed())
-            fsync_path(self.path.parent)
+        #: the count of committed transactions (meta ``commits``; see :meth:`tx`)
+        self.commit_seq = commit_counter.db_count(self.conn)
+        return lost
 
     def _migrate(self) -> None:
         """Columns added after a state folder may have been created (additive only)."""
@@ -171,16 +219,27 @@ class Store:
         once ``COMMIT`` succeeded and whose undo actions run on a rollback, a failed ``BEGIN``
         included (see :mod:`astralight.dataflow.transaction`)."""
         tx = Transaction() if tx is None else tx
+        seq = self.commit_seq
         try:
             self.conn.execute("BEGIN IMMEDIATE")
+            changes = self.conn.total_changes
             yield tx
+            if self.conn.total_changes != changes:  # it wrote: count it (commit_counter)
+                seq += 1
+                commit_counter.set_db_count(self.conn, seq)
             self.conn.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             tx.rolled_back()
+            refused = self.refusals.refuse(exc)  # a full or failing volume: 507, logged once
+            if refused is not None:
+                raise refused from None
             raise
-        self.durability.committed()
+        if seq != self.commit_seq:
+            self.commit_seq = seq
+            self.refusals.succeeded()
+        self.durability.committed(seq)
         tx.committed()
 
     def close(self) -> None:
@@ -191,6 +250,8 @@ class Store:
             self.durability.mark_durable()
         finally:
             self.conn.close()
+            self.counter.close()
+            self.refusals.close()
 
     # ------------------------------------------------------------------ meta and counters
 

@@ -3,9 +3,10 @@
 Each test runs one scenario of :mod:`tests.fault_harness` in a short form (the tiny random model,
 8 versions, the fault at version 3): kill -9 and restart of the dataflow, of the RaaS, of the
 trainer (from its last.ckpt), a partition between RaaS and dataflow longer than a heartbeat, a
-full disk under the weight store, and a RaaS pushing garbage. After each the run must reach its
-target version and the audit of the dataflow's database must balance exactly: every train task
-accounted for once, no sample lost, none trained twice. ``tests/benchmarks/bench_faults.py``
+full disk under the weight store and one under the whole state folder, and a RaaS pushing
+garbage. After each the run must reach its target version and the audit of the dataflow's
+database must balance exactly: every train task accounted for once, no sample lost, none
+trained twice. ``tests/benchmarks/bench_faults.py``
 runs the same scenarios longer and prints their figures.
 """
 
@@ -119,6 +120,22 @@ def test_full_disk_under_the_weight_store(tmp_path, tiny_model_dir):
     assert str(tmp_path / "disk_full" / "dataflow" / "weights") in d["refusal"]
     assert d["version_when_freed"] < 2 * VERSIONS, d  # else the run ended during the outage
     assert d["published_after_free"], d
+    assert_run_balanced(r, versions=2 * VERSIONS)
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -rm` (user + mount namespaces) "
+                                                  "to put a small tmpfs under the state folder")
+def test_full_disk_under_the_state_folder(tmp_path, tiny_model_dir):
+    # the SQLite state (and the weight store) on a full volume: every write is refused with 507
+    # naming state_dir, the clients send those requests again, nothing is lost, and the dataflow
+    # logs the episode in two lines, without a traceback or a 500
+    r = ran(run_scenario("state_disk_full", tmp_path, tiny_model_dir,
+                         settings(versions=2 * VERSIONS)))
+    d = r["detail"]
+    assert d["state_refusals"] >= 2 and d["episodes_started"] >= 1, d
+    assert d["episodes_ended"] == d["episodes_started"], d
+    assert d["tracebacks"] == 0 and d["answers_500"] == 0, d
+    assert str(tmp_path / "state_disk_full" / "dataflow") in d["state_full_line"], d
     assert_run_balanced(r, versions=2 * VERSIONS)
 
 

@@ -1,7 +1,8 @@
 """In-memory state follows a transaction only once it committed: a request whose SQLite commit
 fails (a full disk, say) leaves the fresh queues, replay pools, versions, curators, the pool's
-limits and stats and the open task count as they were, and the same request succeeds once
-commits work again; so does a request whose plugin raises half-way through its transaction."""
+limits and stats and the open task count as they were (the request is refused with 507 naming
+``state_dir``), and the same request succeeds once commits work again; so does a request whose
+plugin raises half-way through its transaction."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.core import Dataflow
 from astralight.dataflow.curators import PromptCurator
+from astralight.dataflow.errors import ServiceError
 from astralight.dataflow.store import Store
 from tests.unit.dataflow_fakes import publish, samples
 
@@ -67,13 +69,14 @@ def test_the_store_runs_after_commit_actions_only_once_committed(tmp_path):
         tx.on_rollback(ran.append, "undone")
     assert ran == ["committed"]
     conn.failing = True
-    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+    with pytest.raises(ServiceError, match="disk is full") as refused:  # a 507 naming state_dir
         with store.tx() as tx:
             store.set_meta("k", 2)
             tx.after_commit(ran.append, "lost")
             tx.on_rollback(ran.append, "undo 1")
             tx.on_rollback(ran.append, "undo 2")
     conn.failing = False
+    assert (refused.value.status, refused.value.field) == (507, "state_dir")
     assert ran == ["committed", "undo 2", "undo 1"]  # newest undo first, nothing after commit
     assert store.get_meta("k") == 1 and not conn.in_transaction
     with pytest.raises(RuntimeError, match="transaction is over"):
@@ -90,7 +93,7 @@ def test_a_failed_commit_leaves_the_in_memory_state_unchanged(tmp_path):
     def refused_once(call, *args, **kw):
         before = memory(flow)
         conn.failing = True
-        with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        with pytest.raises(ServiceError, match="disk is full"):  # 507 naming state_dir
             call(*args, **kw)
         conn.failing = False
         assert memory(flow) == before
