@@ -1,5 +1,6 @@
 """Process helpers shared by the unit and integration tests that watch real processes die:
-:func:`gone`, :func:`wait_for` and :func:`kill_quietly`.
+:func:`gone`, :func:`wait_for` and :func:`kill_quietly`; and :func:`still_open`, for tests that
+watch a server close (or keep) raw connections.
 
 Shared here so that tests never import from one another (no test module imports from a
 ``test_*`` module; ``tests/unit/test_no_cross_test_imports.py`` checks it).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -39,3 +41,16 @@ def kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def still_open(sock: socket.socket) -> bool:
+    """True when the server has neither closed ``sock`` nor sent anything on it."""
+    sock.setblocking(False)
+    try:
+        return not sock.recv(1)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.setblocking(True)

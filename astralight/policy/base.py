@@ -108,7 +108,9 @@ class RLPolicy(pl.LightningModule):
             failure followed by quiet updates drifts the policy several times further than its
             own update would (seen: a run at 1.00 accuracy fell to 0.43, its ratios moving to
             0.23 over five all-zero updates). ``global_step``, the version and the learning
-            rate schedule still advance. ``False``: step anyway, as TRL and PyTorch do.
+            rate schedule still advance. ``False``: step anyway, as TRL and PyTorch do. Not
+            under fp16 mixed precision (``16-mixed``), whose gradient scaler cannot step an
+            optimizer without gradients: there every update steps.
         normalize_advantages: renormalise the batch's advantages to zero mean, unit std.
         seed: torch seed set at fit start.
         gradient_checkpointing: trade compute for activation memory in the HF model.
@@ -555,7 +557,7 @@ class RLPolicy(pl.LightningModule):
         second moment, step count) and the weights stay as they are, while the step is still
         counted."""
         grad_norm = self._clip_and_norm()
-        if self.skip_empty_updates and float(grad_norm) == 0.0:
+        if self.skip_empty_updates and float(grad_norm) == 0.0 and not self._grad_scaler():
             opt.zero_grad(set_to_none=True)
         if last:
             opt.step()
@@ -566,6 +568,12 @@ class RLPolicy(pl.LightningModule):
         if sched is not None:
             sched.step()
         return grad_norm
+
+    def _grad_scaler(self) -> bool:
+        """Whether the precision plugin steps through a gradient scaler (fp16 mixed precision),
+        which refuses to step an optimizer that has no gradients."""
+        plugin = getattr(self.trainer.strategy, "precision_plugin", None)
+        return getattr(plugin, "scaler", None) is not None
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         t0 = time.perf_counter()

@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from tests.proc_helpers import still_open
+
 TOKEN = "slow-clients-token-0123456789abcdef"
 #: the stalled connections, more than MAX_CONNECTIONS so that both mechanisms act
 STALLED = 300
@@ -62,18 +64,6 @@ def _closed_and_answers(socks: list[socket.socket]) -> list[bytes | None]:
     return [None if s in open_ else got[s] for s in socks]
 
 
-def _still_open(sock: socket.socket) -> bool:
-    sock.setblocking(False)
-    try:
-        return not sock.recv(1)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.setblocking(True)
-
-
 def test_stalled_connections_are_closed_and_valid_clients_served(tmp_path, dataflow_service):
     url, _proc, config_path = dataflow_service(
         tmp_path, token=TOKEN, header_timeout_s=HEADER_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
@@ -84,7 +74,7 @@ def test_stalled_connections_are_closed_and_valid_clients_served(tmp_path, dataf
                       timeout=BOUND_S)
         assert r.status_code == 200 and r.json()
         # answered while the newest stalled connections are still held, not after they went
-        assert _still_open(stalled[-1])
+        assert still_open(stalled[-1])
         answers = _closed_and_answers(stalled)
     finally:
         for sock in stalled:

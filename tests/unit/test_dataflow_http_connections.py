@@ -29,7 +29,7 @@ from astralight.dataflow.app import create_app
 from astralight.dataflow.config import DataflowConfig
 from astralight.dataflow.service import _Server, listen_socket, uvicorn_config
 from astralight.protocol import encode
-from tests.proc_helpers import wait_for
+from tests.proc_helpers import still_open, wait_for
 
 #: the longest any wait below may take before the test fails (the timeouts are 0.5 s to 3 s)
 BOUND_S = 30.0
@@ -77,19 +77,6 @@ def read_until_closed(sock: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     return out
-
-
-def still_open(sock: socket.socket) -> bool:
-    """True when the server has neither closed ``sock`` nor sent anything on it."""
-    sock.setblocking(False)
-    try:
-        return not sock.recv(1)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.setblocking(True)
 
 
 def get(port: int, path: str = "/v1/info") -> int:

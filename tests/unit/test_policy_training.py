@@ -265,6 +265,19 @@ def test_updates_without_a_gradient_leave_the_optimizer_alone(tiny_model_dir, tm
         assert moved  # momentum alone moved the weights
 
 
+def test_updates_step_anyway_under_a_gradient_scaler(tiny_model_dir, tmp_path):
+    """fp16 mixed precision's GradScaler cannot step an optimizer without gradients (it asserts
+    on an empty inf check), so with a scaler in the precision plugin nothing is skipped."""
+    from types import SimpleNamespace
+
+    policy = M2POPolicy(str(tiny_model_dir))
+    trainer = make_trainer(tmp_path)
+    policy.trainer = trainer
+    assert not policy._grad_scaler()  # 32-bit: no scaler, empty updates are skipped
+    trainer.strategy.precision_plugin = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"))
+    assert policy._grad_scaler()
+
+
 class _KeepsBatch(M2POPolicy):
     def training_step(self, batch, batch_idx):
         self.seen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
