@@ -125,6 +125,7 @@ def test_full_disk_under_the_weight_store(tmp_path, tiny_model_dir):
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs `unshare -rm` (user + mount namespaces) "
                                                   "to put a small tmpfs under the state folder")
+@pytest.mark.slow  # 65 s of real processes: CI runs it in its slow suite
 def test_full_disk_under_the_state_folder(tmp_path, tiny_model_dir):
     # the SQLite state (and the weight store) on a full volume: every write is refused with 507
     # naming state_dir, the clients send those requests again, nothing is lost, and the dataflow
