@@ -4,7 +4,7 @@ returns them.
 Each row is a frozen dataclass with typed fields in the table's column order: JSON columns (``model_ids``, ``meta``,
 ``limits``, ``pass_k``, a journal entry's ``data``) are decoded once, here, and BLOB columns
 are ``bytes`` with a method that decodes the msgpack they hold (a task's payload, a sample, a
-manifest). Columns added after release (:data:`~astralight.dataflow.store.MIGRATIONS`), which an
+manifest). Columns added after release (:data:`~astralight.dataflow.schema.MIGRATIONS`), which an
 older state folder read without migration lacks (as the run report reads it), have the default
 the migration would give them. So the service logic reads attributes and
 never the storage format.
