@@ -4,7 +4,9 @@ Pipeline of one call, cheapest first:
 
 1. **Extraction**: the argument of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), with
    nested braces; optionally, when there is no box, the last ``Answer: ...`` line (the format
-   DAPO-Math-17k's own prompts ask for). No answer -> ``no_answer_reward`` (a format reward).
+   DAPO-Math-17k's own prompts ask for), or the last number of the text (``last_number``: the
+   GSM8K convention, for small chat models that never box; ``1,234`` and ``-5`` are numbers).
+   No answer -> ``no_answer_reward`` (a format reward).
 2. **Fast path** (microseconds): the answer and the truth are compared as normalised strings
    (spacing, ``\\left``/``\\right``, ``\\dfrac``, ``$``, ``\\text{}`` wrappers, a final period) and,
    when both are plain numbers, numerically (``0.5 == .50``, ``1,000 == 1000``). Equal -> correct.
@@ -52,7 +54,7 @@ from astralight.rewards.subprocess_pool import PoolError, PoolTimeout, Subproces
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MathVerifyReward", "last_boxed", "last_answer_line", "normalize_answer",
+__all__ = ["MathVerifyReward", "last_boxed", "last_answer_line", "last_number", "normalize_answer",
            "fast_compare", "math_verify_equal"]
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\b")
@@ -103,6 +105,15 @@ def last_answer_line(text: str) -> str | None:
         return None
     value = matches[-1].strip().rstrip(".").strip().strip("$").strip().rstrip(".").strip()
     return value or None
+
+
+_ANY_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` (thousands commas dropped), or None."""
+    found = _ANY_NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
 
 
 def normalize_answer(s: str) -> str:
@@ -174,6 +185,10 @@ def math_verify_equal(gold: str, pred: str, timeout: int | None = None) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
+#: how an answer is found in a completion (MathVerifyReward's ``answer_format``)
+ANSWER_FORMATS = ("boxed", "boxed_or_answer_line", "boxed_or_last_number")
+
+
 class MathVerifyReward(Reward):
     """``reward(completion, metadata)``: ``correct_reward`` when the last boxed answer of the
     completion equals ``metadata[answer_key]`` (see the module docstring), else ``wrong_reward``.
@@ -183,8 +198,9 @@ class MathVerifyReward(Reward):
         correct_reward / wrong_reward: the two outcomes.
         no_answer_reward: score of a completion with no extractable answer (a format reward).
         timeout_reward: score when math-verify runs past ``timeout_s`` (or its worker fails).
-        answer_format: ``boxed`` (last ``\\boxed{}``) or ``boxed_or_answer_line`` (else the last
-            ``Answer: ...`` line, for DAPO-style prompts).
+        answer_format: ``boxed`` (last ``\\boxed{}``), ``boxed_or_answer_line`` (else the last
+            ``Answer: ...`` line, for DAPO-style prompts) or ``boxed_or_last_number`` (else the
+            last number of the text, for chat models that do not box).
         timeout_s: hard limit on one math-verify check.
         workers: worker processes (``isolation="process"``): concurrent checks.
         isolation: ``process`` (default; killable workers) or ``inline`` (calling thread; no hard
@@ -201,8 +217,8 @@ class MathVerifyReward(Reward):
                  timeout_s: float = 5.0, workers: int = 2, isolation: str = "process",
                  fast_path: bool = True, max_answer_chars: int = 1000,
                  verifier: str = "astralight.rewards.math.math_verify_equal"):
-        if answer_format not in ("boxed", "boxed_or_answer_line"):
-            raise ValueError(f"answer_format: 'boxed' or 'boxed_or_answer_line', "
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format: one of {', '.join(ANSWER_FORMATS)}, "
                              f"got {answer_format!r}")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation: 'process' or 'inline', got {isolation!r}")
@@ -230,6 +246,8 @@ class MathVerifyReward(Reward):
         answer = last_boxed(completion)
         if answer is None and self.answer_format == "boxed_or_answer_line":
             answer = last_answer_line(completion)
+        elif answer is None and self.answer_format == "boxed_or_last_number":
+            answer = last_number(completion)
         return answer or None
 
     def __call__(self, completion: str, metadata: dict) -> float:

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from astralight.rewards.math import (MathVerifyReward, fast_compare, last_answer_line,
-                                     last_boxed, math_verify_equal, normalize_answer)
+                                     last_boxed, last_number, math_verify_equal,
+                                     normalize_answer)
 from astralight.rewards.subprocess_pool import PoolError, PoolTimeout, SubprocessPool
 
 
@@ -116,6 +117,16 @@ def test_answer_line_fallback_for_dapo_style_prompts():
     r = MathVerifyReward(answer_format="boxed_or_answer_line", isolation="inline")
     assert r(text, {"answer": "34"}) == 1.0
     assert r(r"Answer: 3 but \boxed{34}", {"answer": "34"}) == 1.0  # a box wins
+
+
+def test_last_number_fallback_for_chat_models_that_do_not_box():
+    r = MathVerifyReward(answer_format="boxed_or_last_number", isolation="inline")
+    assert r("8 + 6 = 14", {"answer": "14"}) == 1.0
+    assert r("12 + 35 = 50", {"answer": "47"}) == 0.0  # the last number is the answer given
+    assert r("The answer is 1,234.", {"answer": "1234"}) == 1.0
+    assert r(r"\boxed{7}, not 8", {"answer": "7"}) == 1.0  # a box wins
+    assert r("no number at all", {"answer": "3"}) == r.no_answer_reward
+    assert last_number("from -5 to 2.5 apples") == "2.5" and last_number("none") is None
 
 
 def test_extraction():

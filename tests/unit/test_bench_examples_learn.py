@@ -1,0 +1,57 @@
+"""The pure parts of tests/benchmarks/bench_examples_learn.py: each run's recipe (seed,
+precision, length, overrides on the example's own recipe), the goals per run and the summary per
+cell. Its runs start the whole system and are run by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from astralight.launch.recipe_schema import validate_recipe
+from tests.benchmarks import bench_examples_learn as bench
+
+
+@pytest.mark.parametrize("name", bench.LEARNING_EXAMPLES)
+def test_a_run_changes_only_the_seed_precision_length_and_overrides(name):
+    base = bench.example_recipe(name)
+    recipe = bench.run_recipe(base, 7, "bfloat16", 12, ["trainers.0.model.init_args.lr=3e-4"])
+    validate_recipe(recipe)
+    assert recipe["seed"] == 7 and base["seed"] != 7
+    assert all(t["seed_everything"] == 7 for t in recipe["trainers"])
+    assert all(r["seed"] == 7 for r in recipe["raas"])
+    assert {e["dtype"] for r in recipe["raas"] for e in r["engines"].values()} == {"bfloat16"}
+    assert recipe["stop"]["versions"] == 12
+    assert all(t["trainer"]["max_steps"] == 12 * bench._publisher_every(t) for t in recipe["trainers"])
+    assert 12 % recipe["dataflow"]["eval"]["every"] == 0  # the last version is evaluated
+    assert recipe["trainers"][0]["model"]["init_args"]["lr"] == 3e-4
+    assert recipe["prepare"] == base["prepare"]  # one warm start per example, shared by seeds
+    assert recipe["dataflow"]["source"] == base["dataflow"]["source"]
+
+
+def test_bad_arguments_are_named():
+    base = bench.example_recipe("toy")
+    with pytest.raises(SystemExit, match="--set: 'lr' is not KEY=VALUE"):
+        bench.run_recipe(base, 0, None, None, ["lr"])
+    with pytest.raises(SystemExit, match="--versions: must be >= 1"):
+        bench.run_recipe(base, 0, None, 0, [])
+    with pytest.raises(SystemExit, match="--examples: 'nope' has no examples/nope/recipe.yaml"):
+        bench.example_recipe("nope")
+
+
+def test_goals_per_run():
+    ok = {"eval_accuracy_start": 0.17, "eval_accuracy_best": 0.59, "eval_accuracy_end": 0.58}
+    fell = {"eval_accuracy_start": 0.16, "eval_accuracy_best": 0.57, "eval_accuracy_end": 0.0}
+    assert bench.goal_met("tool_use", ok) == {"end_at_least": True, "hold": True, "rose": True}
+    assert bench.goal_met("tool_use", fell) == {"end_at_least": False, "hold": False, "rose": False}
+    assert bench.goal_met("toy", {"eval_accuracy_start": 0.2})["end_at_least"] is None  # no eval
+
+
+def test_the_summary_holds_every_seed_of_a_cell_and_fails_a_goal_if_one_seed_does():
+    rows = [{"example": "tool_use", "dtype": "float32", "condition": c, "seed": s, "exit_code": 0,
+             "eval_accuracy_end": end, "goals": {"hold": end > 0.5}, "warnings": w}
+            for c, s, end, w in [("quiet", 0, 0.58, []), ("quiet", 1, 0.6, []),
+                                 ("contended", 0, 0.59, []), ("contended", 1, 0.0, ["reward_drop (policy)"])]]
+    cells = {c["condition"]: c for c in bench.summarize(rows)}
+    assert cells["quiet"]["goals_met"] == {"hold": True} and cells["quiet"]["seeds"] == [0, 1]
+    assert cells["contended"]["goals_met"] == {"hold": False}
+    assert cells["contended"]["eval_accuracy_end"] == {"mean": 0.295, "min": 0.0, "max": 0.59, "n": 2}
+    assert cells["contended"]["warnings"] == ["reward_drop (policy)"]
