@@ -18,6 +18,7 @@ RaaS, Lightning trainers), with only these keys changed:
 Conditions: ``quiet`` (nothing else started) and, with ``--contend``, ``contended``: one busy
 process per CPU core runs for the whole run, so every component shares its core with a spinner
 (what a loaded node, a straggler or a slow tool does to the timing of an asynchronous run).
+``--conditions contended`` runs only that one.
 
 Per run, from the launcher's ``summary.json`` and the trainers' TensorBoard curves:
 eval avg@k at the start, best (and its version) and end; ``tool_call_rate_start/_end`` (tool
@@ -213,13 +214,20 @@ def goal_met(name: str, row: dict) -> dict[str, bool | None]:
     return met
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def one_run(name: str, recipe: dict, prepared: Path | None, run_dir: Path, condition: str,
             quiet: bool) -> dict:
     """Start the launcher on ``recipe`` in ``run_dir`` under ``condition``; the run's row."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    if prepared is not None:
-        shutil.copytree(prepared, run_dir, dirs_exist_ok=True)
+    if prepared is not None:  # hard links: a real model's weights are hundreds of MB
+        shutil.copytree(prepared, run_dir, dirs_exist_ok=True, copy_function=_link_or_copy)
     recipe_path = run_dir / "bench_recipe.yaml"
     recipe_path.write_text(f"# {name}: written by tests/benchmarks/bench_examples_learn.py\n"
                            + yaml.safe_dump(recipe, sort_keys=False))
@@ -299,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine precisions, comma-separated (float32, bfloat16, auto)")
     ap.add_argument("--contend", action="store_true",
                     help="also run every cell with one busy process per core")
+    ap.add_argument("--conditions", default=None,
+                    help="quiet, contended or both, comma-separated (overrides --contend)")
     ap.add_argument("--versions", type=int, default=None, help="a shorter run (default: the recipe's)")
     ap.add_argument("--window", type=int, default=10, help="steps in the first/last train windows")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -312,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.examples.split(",") if n.strip()]
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     conditions = CONDITIONS if args.contend else CONDITIONS[:1]
+    if args.conditions is not None:
+        conditions = tuple(c.strip() for c in args.conditions.split(",") if c.strip())
+        if not conditions or set(conditions) - set(CONDITIONS):
+            raise SystemExit(f"--conditions: a comma-separated choice of {', '.join(CONDITIONS)}, "
+                             f"got {args.conditions!r}")
     bases = {name: example_recipe(name) for name in names}  # every name checked before any run
     rows: list[dict] = []
     for name in names:
