@@ -10,7 +10,7 @@ import hashlib
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource, check_index
+from astralight.tasks.base import DrawnSource, Prompt
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -20,7 +20,7 @@ def _is_eval_pair(a: int, b: int, op: str, eval_share: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < eval_share
 
 
-class ArithmeticSource(PromptSource):
+class ArithmeticSource(DrawnSource):
     """Prompts ``a<op>b=`` with operands in ``[min_operand, max_operand]``.
 
     The default range 0..49 is the toy recipe's: 2,250 train pairs are enough for the tiny model
@@ -34,6 +34,8 @@ class ArithmeticSource(PromptSource):
         ops: the operators to draw from, e.g. ``"+"`` or ``"+-"``.
         eval_share: fraction of all operand pairs that belong to the held-out set.
         seed: seeds the stream; prompt ``i`` depends only on ``(seed, split, i)``.
+
+    The eval set may hold fewer distinct prompts than ``eval_size`` when the range is small.
     """
 
     def __init__(self, split: str = "train", min_operand: int = 0, max_operand: int = 49,
@@ -60,26 +62,3 @@ class ArithmeticSource(PromptSource):
             if _is_eval_pair(a, b, op, self.eval_share) == (split == "eval"):
                 return Prompt(prompt_id=f"{a}{op}{b}", prompt=f"{a}{op}{b}=",
                               metadata={"answer": str(_OPS[op](a, b))})
-
-    def get(self, index: int) -> Prompt:
-        if self.split == "train":
-            return self._draw(index, "train")
-        cache = self._eval_prompts()
-        return cache[check_index(index, len(cache), "eval prompt")]
-
-    def _eval_prompts(self) -> list[Prompt]:
-        if self._eval_cache is None:
-            # distinct held-out prompts, in a fixed order
-            seen, cache, i = set(), [], 0
-            while len(cache) < self.eval_size and i < 50 * self.eval_size:
-                p = self._draw(i, "eval")
-                i += 1
-                if p.prompt_id not in seen:
-                    seen.add(p.prompt_id)
-                    cache.append(p)
-            self._eval_cache = cache
-        return self._eval_cache
-
-    def __len__(self) -> int:
-        # the eval set may hold fewer distinct prompts than eval_size when the range is small
-        return len(self._eval_prompts()) if self.split == "eval" else 2**62

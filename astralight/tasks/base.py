@@ -39,3 +39,39 @@ def check_index(index: int, size: int, what: str = "prompt", where: Any = None) 
         of = f" of {where}" if where is not None else ""
         raise IndexError(f"{what} {index} out of range [0, {size}){of}")
     return index
+
+
+class DrawnSource(PromptSource):
+    """A procedural source built on ``_draw(index, split) -> Prompt`` (seeded by the index):
+    ``split="train"`` is the endless stream ``_draw(i, "train")``; ``split="eval"`` the first
+    ``eval_size`` *distinct* prompts (by ``prompt_id``) of ``_draw(i, "eval")``, in a fixed order
+    (fewer when the space holds fewer: at most ``50 * eval_size`` draws are tried).
+    Subclasses set ``split`` and ``eval_size`` and implement ``_draw``."""
+
+    split: str = "train"
+    eval_size: int = 0
+    _eval_cache: list[Prompt] | None = None
+
+    def _draw(self, index: int, split: str) -> Prompt:
+        raise NotImplementedError(f"{type(self).__name__} must implement _draw(index, split)")
+
+    def get(self, index: int) -> Prompt:
+        if self.split == "train":
+            return self._draw(index, "train")
+        cache = self._eval_prompts()
+        return cache[check_index(index, len(cache), "eval prompt")]
+
+    def _eval_prompts(self) -> list[Prompt]:
+        if self._eval_cache is None:
+            seen, cache, i = set(), [], 0
+            while len(cache) < self.eval_size and i < 50 * self.eval_size:
+                p = self._draw(i, "eval")
+                i += 1
+                if p.prompt_id not in seen:
+                    seen.add(p.prompt_id)
+                    cache.append(p)
+            self._eval_cache = cache
+        return self._eval_cache
+
+    def __len__(self) -> int:
+        return len(self._eval_prompts()) if self.split == "eval" else 2**62

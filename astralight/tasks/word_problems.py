@@ -21,7 +21,7 @@ import hashlib
 
 import numpy as np
 
-from astralight.tasks.base import Prompt, PromptSource, check_index
+from astralight.tasks.base import DrawnSource, Prompt
 
 #: the answer instruction appended to every problem (what MathVerifyReward extracts)
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -43,7 +43,7 @@ def _held_out(template: int, a: int, b: int, eval_share: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < eval_share
 
 
-class WordProblemSource(PromptSource):
+class WordProblemSource(DrawnSource):
     """Word problems as chat prompts (module docstring).
 
     Args:
@@ -80,7 +80,6 @@ class WordProblemSource(PromptSource):
         self.system_prompt, self.instruction = system_prompt, instruction
         self.eval_share, self.eval_size = eval_share, eval_size
         self.templates = [i for i, (op, _) in enumerate(TEMPLATES) if op in ops]
-        self._eval_cache: list[Prompt] | None = None
 
     def _draw(self, index: int, split: str) -> Prompt:
         rng = np.random.default_rng([self.seed, 1 if split == "eval" else 0, index])
@@ -104,27 +103,6 @@ class WordProblemSource(PromptSource):
                         if self.system_prompt else []) + [{"role": "user", "content": user}]
             return Prompt(prompt_id=f"wp{t}:{a}{op}{b}", prompt=messages,
                           metadata={"answer": str(_APPLY[op](a, b)), "problem": problem})
-
-    def get(self, index: int) -> Prompt:
-        if self.split == "train":
-            return self._draw(index, "train")
-        cache = self._eval_prompts()
-        return cache[check_index(index, len(cache), "eval prompt")]
-
-    def _eval_prompts(self) -> list[Prompt]:
-        if self._eval_cache is None:
-            seen, cache, i = set(), [], 0
-            while len(cache) < self.eval_size and i < 50 * self.eval_size:
-                p = self._draw(i, "eval")
-                i += 1
-                if p.prompt_id not in seen:
-                    seen.add(p.prompt_id)
-                    cache.append(p)
-            self._eval_cache = cache
-        return self._eval_cache
-
-    def __len__(self) -> int:
-        return len(self._eval_prompts()) if self.split == "eval" else 2**62
 
 
 __all__ = ["WordProblemSource", "INSTRUCTION"]
