@@ -197,7 +197,8 @@ def prepare_smollm2(out_dir: str | Path, gguf_path: str | Path | None = None,
     """
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"out_dir: {out} exists and is not an empty folder; remove it or pick another")
+        raise FileExistsError(f"out_dir: {out} exists and is not an empty folder; remove it or "
+                              "pick another")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if is_model_folder(cache):
         _say(f"using the converted model in {cache}")

@@ -209,20 +209,23 @@ class PeakMemory:
 
 
 def tensorboard_figures(run_dir: Path) -> dict[str, Any]:
-    """The trainer's per-step perf figures and per-version publication figures."""
-    from astralight.launch.guard import TrainCurves
+    """The trainer's per-step perf figures and per-version publication figures (joined by step:
+    some publication tags, e.g. the sparsity, are missing on the first version)."""
+    from astralight.report.rundata import load_run
 
-    curves = TrainCurves(run_dir, PERF_TAGS + PUBLISH_TAGS).read()
-    series = next(iter(curves.values()), {})
-    pubs = [dict(zip(PUBLISH_TAGS, row)) for row in zip(*(series.get(t, []) for t in PUBLISH_TAGS))]
+    scalars = load_run(run_dir).scalars
+    series = next(iter(scalars.values()), {})
+    by_step = {t: dict(series.get(t, [])) for t in PERF_TAGS + PUBLISH_TAGS}
+    pubs = [{t: by_step[t].get(step) for t in PUBLISH_TAGS} for step in sorted(by_step["publish/kind"])]
     full = [p for p in pubs if p["publish/kind"] == 1]
     delta = [p for p in pubs if p["publish/kind"] == 0]
 
     def med(rows, key):
-        return _median([r[key] for r in rows])
+        return _median([r[key] for r in rows if r[key] is not None])
 
     # the first step pays the trainer's warm-up: the medians leave it out when there are more
-    perf = {t: series.get(t, [])[1:] or series.get(t, []) for t in PERF_TAGS}
+    perf = {t: [v for _, v in sorted(by_step[t].items())] for t in PERF_TAGS}
+    perf = {t: values[1:] or values for t, values in perf.items()}
     return {
         "trainer_samples_per_s": _median(perf["perf/samples_per_s"]),
         "trainer_tokens_per_s": _median(perf["perf/tokens_per_s"]),
