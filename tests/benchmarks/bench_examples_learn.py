@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: make the tests package importable
     sys.path.insert(0, str(ROOT))
 
-from tests.benchmarks.bench_data_algorithms import eval_every_for  # noqa: E402
-from tests.benchmarks.bench_vs_trl import set_key  # noqa: E402
+from tests.benchmarks.bench_data_algorithms import _publisher_every, eval_every_for  # noqa: E402
+from tests.benchmarks.bench_vs_trl import _load, set_key  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 #: the examples that claim learning, in the order they run (the text game has no example yet)
@@ -78,10 +78,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 # ------------------------------------------------------------------------------ recipes
 
 
@@ -95,13 +91,6 @@ def example_recipe(name: str) -> dict:
         raise SystemExit(f"--examples: {name!r} has no {path.relative_to(ROOT)}; "
                          f"choose from {', '.join(LEARNING_EXAMPLES)}")
     return load_recipe(path)
-
-
-def _publisher_every(trainer_cfg: dict) -> int:
-    for cb in (trainer_cfg.get("trainer") or {}).get("callbacks") or []:
-        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("WeightPublisher"):
-            return int((cb.get("init_args") or {}).get("every_n_steps", 1))
-    return 1
 
 
 def run_recipe(base: dict, seed: int, dtype: str | None, versions: int | None,

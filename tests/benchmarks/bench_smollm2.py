@@ -60,17 +60,28 @@ def _median(values: list[float]) -> float | None:
 # ------------------------------------------------------------------------------ engine arm
 
 
-def engine_arm(model: Path, recipe: dict, requests: int) -> dict:
-    """One call of ``requests`` eval prompts through the RaaS engine: tokens per second."""
-    from astralight.engine import SamplingSpec
+def engine_spec(model: Path, recipe: dict, lora: bool = True) -> dict:
+    """The recipe's engine arguments for ``model`` (its ``model_path`` left out; without
+    ``lora``, the engine's LoRA support off)."""
     from astralight.launch.recipe import substitute
-    from astralight.raas.vllm_engine import VLLMEngine
-    from astralight.tasks.word_problems import WordProblemSource
-    from astralight.workflows.base import tokenize_prompt
 
     spec = substitute(copy.deepcopy(recipe["raas"][0]["engines"]["policy"]),
                       {"init_model": model, "run_dir": model.parent, "seed": 0})
     spec.pop("model_path")
+    if not lora:
+        spec.pop("enable_lora", None)
+        spec.pop("max_lora_rank", None)
+    return spec
+
+
+def engine_arm(model: Path, recipe: dict, requests: int) -> dict:
+    """One call of ``requests`` eval prompts through the RaaS engine: tokens per second."""
+    from astralight.engine import SamplingSpec
+    from astralight.raas.vllm_engine import VLLMEngine
+    from astralight.tasks.word_problems import WordProblemSource
+    from astralight.workflows.base import tokenize_prompt
+
+    spec = engine_spec(model, recipe)
     sampling = recipe["raas"][0]["workflow"]["init_args"]["sampling"]
     source_args = dict(recipe["dataflow"]["eval"]["source"]["init_args"])
     source_args["eval_size"] = requests
@@ -132,17 +143,11 @@ def shape_prompts(kind: str, kwargs: dict, n: int, seed: int = 0) -> list[tuple[
 def shapes_arm(model: Path, recipe: dict, max_tokens: int = 48) -> list[dict]:
     """The untrained model's accuracy (last number of the reply) per task shape and temperature."""
     from astralight.engine import SamplingSpec
-    from astralight.launch.recipe import substitute
     from astralight.raas.vllm_engine import VLLMEngine
     from astralight.rewards.math import last_number
     from astralight.workflows.base import tokenize_prompt
 
-    spec = substitute(copy.deepcopy(recipe["raas"][0]["engines"]["policy"]),
-                      {"init_model": model, "run_dir": model.parent, "seed": 0})
-    spec.pop("model_path")
-    spec.pop("enable_lora", None)
-    spec.pop("max_lora_rank", None)
-    engine = VLLMEngine(str(model), **spec)
+    engine = VLLMEngine(str(model), **engine_spec(model, recipe, lora=False))
     rows = []
     try:
         for name, (kind, kwargs) in SHAPES.items():
