@@ -29,7 +29,8 @@ from astralight.policy.metrics import staleness_reference as _staleness_referenc
 from astralight.policy.optimizer import build_optimizers, check_class_spec
 from astralight.rl.entropy import masked_entropy_sum
 from astralight.rl.kl import kl_penalty
-from astralight.rl.logprobs import causal_lm_logprobs, token_logprobs
+from astralight.rl.logprobs import (causal_lm_logprobs, causal_lm_next_logits,
+                                    first_trained_target, pad_to_targets, token_logprobs)
 from astralight.rl.m2po import all_reduce_sum
 from astralight.rl.mismatch import mismatch_metrics
 from astralight.rl.unlikelihood import unlikelihood_penalty
@@ -286,10 +287,13 @@ class RLPolicy(pl.LightningModule):
         if self._ref and not self._sharded:  # fully_shard already put the shards on the mesh's device
             self._ref[0].to(self.device)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Log-prob of every next token at the module temperature: ``[B, T-1]``."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                mask: Tensor | None = None) -> Tensor:
+        """Log-prob of every next token at the module temperature: ``[B, T-1]``. With ``mask``
+        (the trained targets, ``[B, T-1]``) the columns before its first trained one may be 0:
+        the output projection skips them (:func:`~astralight.rl.logprobs.causal_lm_next_logits`)."""
         return causal_lm_logprobs(self.model, input_ids, attention_mask, self.temperature,
-                                  self.logprob_chunk_tokens)
+                                  self.logprob_chunk_tokens, first_trained_target(mask))
 
     def logprobs_with_entropy(self, input_ids: Tensor, attention_mask: Tensor | None,
                               mask: Tensor, grad: bool = False) -> tuple[Tensor, Tensor, int]:
@@ -297,13 +301,13 @@ class RLPolicy(pl.LightningModule):
         ``(logp [B, T-1], sum of per-token entropies over mask, masked token count)``; the
         entropy is that of the sampling distribution (at the temperature), without gradient
         unless ``grad`` (the entropy bonus)."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        logits = (out.logits if hasattr(out, "logits") else out[0])[:, :-1]
-        logp = token_logprobs(logits, input_ids[:, 1:], self.temperature,
+        logits, start = causal_lm_next_logits(self.model, input_ids, attention_mask,
+                                              first_trained_target(mask))
+        logp = token_logprobs(logits, input_ids[:, start + 1:], self.temperature,
                               self.logprob_chunk_tokens)
-        entropy, count = masked_entropy_sum(logits, mask, self.temperature,
+        entropy, count = masked_entropy_sum(logits, mask[:, start:], self.temperature,
                                             self.logprob_chunk_tokens, grad=grad)
-        return logp, entropy, count
+        return pad_to_targets(logp, start), entropy, count
 
     def save_pretrained(self, path: str) -> None:
         """Save the current weights as a Hugging Face folder (plus the tokenizer of ``model_path``);
@@ -390,7 +394,8 @@ class RLPolicy(pl.LightningModule):
         n = batch["input_ids"].shape[0]
         with ctx:
             parts = [causal_lm_logprobs(ref, batch["input_ids"][sl], batch["attention_mask"][sl],
-                                        self.temperature, self.logprob_chunk_tokens)
+                                        self.temperature, self.logprob_chunk_tokens,
+                                        first_trained_target(batch["mask"][sl]))
                      for sl in self._micro_slices(n)]
         return torch.cat(parts)
 
@@ -500,7 +505,7 @@ class RLPolicy(pl.LightningModule):
                 loss, metrics = self._with_entropy_bonus(
                     micro, *self.objective(micro, logp), micro_entropy)
             else:
-                logp = self(micro["input_ids"], micro["attention_mask"])
+                logp = self(micro["input_ids"], micro["attention_mask"], micro["mask"])
                 loss, metrics = self.objective(micro, logp)
             self._backward(loss, sync=i == len(slices) - 1)
             total_loss = total_loss + loss.detach().float()

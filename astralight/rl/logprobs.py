@@ -15,6 +15,8 @@ computes the gradient ``(onehot(target) - softmax(z / T)) / T`` chunk by chunk i
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -100,18 +102,69 @@ def _fp32(t: Tensor):
     return torch.autocast(device_type=t.device.type, enabled=False)
 
 
+def first_trained_target(mask: Tensor | None) -> int:
+    """The first target position (column of a ``[B, T-1]`` mask) that any row trains; 0 when
+    there is no mask or it is empty. Every column before it is prompt (or padding) in every
+    row, so no log-prob there is ever read."""
+    if mask is None or mask.numel() == 0:
+        return 0
+    cols = mask.bool().any(dim=0).nonzero()
+    return int(cols[0]) if cols.numel() else 0
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model under a PEFT wrapper) takes transformers'
+    ``logits_to_keep`` argument (every recent ``*ForCausalLM`` does)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    try:
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def causal_lm_next_logits(model: torch.nn.Module, input_ids: Tensor,
+                          attention_mask: Tensor | None = None,
+                          first: int = 0) -> tuple[Tensor, int]:
+    """Next-token logits under a Hugging Face causal LM, from target position ``first`` on:
+    ``(logits [B, T-1-start, V], start)``, where row ``[:, t]`` predicts
+    ``input_ids[:, start + t + 1]``.
+
+    ``start`` is ``first`` when the model takes ``logits_to_keep`` and ``first`` is not 0, else
+    0. The output projection and its log-softmax over the vocabulary are then computed only
+    from the first trained position on: with a real vocabulary (SmolLM2's 49,152, Qwen3's
+    151,936) and a prompt longer than the reply, that is most of the projection's cost and
+    memory, and none of it is read (:func:`first_trained_target`).
+    """
+    seq = input_ids.shape[1]
+    start = first if 0 < first < seq - 1 and accepts_logits_to_keep(model) else 0
+    kwargs = {"logits_to_keep": seq - start} if start else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[:, :-1], start
+
+
+def pad_to_targets(logp: Tensor, start: int) -> Tensor:
+    """``[B, T-1-start]`` log-probs from :func:`causal_lm_next_logits` back to the full
+    ``[B, T-1]`` target grid, 0 at the ``start`` untrained positions before them."""
+    return torch.nn.functional.pad(logp, (start, 0)) if start else logp
+
+
 def causal_lm_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    first: int = 0,
 ) -> Tensor:
     """Log-prob of each next token under a Hugging Face causal LM: shape ``[B, T-1]``.
 
     Entry ``[:, t]`` is the log-prob of ``input_ids[:, t + 1]`` given the prefix, so it lines up
     with ``input_ids[:, 1:]`` and with every ``[:, 1:]``-shifted mask of the trainer batch.
+    With ``first`` (:func:`first_trained_target` of that mask) the entries before it may be 0:
+    they are computed only where the model lets the output projection skip them.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, chunk_tokens)
+    logits, start = causal_lm_next_logits(model, input_ids, attention_mask, first)
+    logp = token_logprobs(logits, input_ids[:, start + 1:], temperature, chunk_tokens)
+    return pad_to_targets(logp, start)
