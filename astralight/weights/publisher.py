@@ -197,6 +197,14 @@ class Publisher(abc.ABC):
         self._thread = None
         self._release()
 
+    def wait_published(self, version: int, timeout: float | None) -> bool:
+        """Wait until ``version`` or a later one is published; False if the worker went idle
+        without publishing one (those publications failed), stopped, or ``timeout`` passed."""
+        with self._cv:
+            self._cv.wait_for(lambda: (self.last_published_version >= version or self._stop
+                                       or (self._pending is None and not self._busy)), timeout)
+            return self.last_published_version >= version
+
     def restore(self, last_published_version: int) -> None:
         """Resume counting from a checkpoint; the delta base is not in it, so the next is full."""
         self.last_published_version = last_published_version

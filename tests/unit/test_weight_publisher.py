@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import collections
 import threading
 
 import lightning.pytorch as pl
@@ -326,3 +327,99 @@ def test_lora_publishes_adapter_tensors_only(tiny_model_dir, tmp_path):
     assert len(fake.manifests[0].tensors) == 8
     assert_same_bits(replay(fake)[2], flush.at_step[2])
     assert any(not np.array_equal(flush.at_step[1][n], flush.at_step[2][n]) for n in saved)
+
+
+
+class GatedUploads(FakeDataflowClient):
+    """The upload of version ``v`` waits until the trainer has ended step ``v + 1``
+    (:class:`OpenGates`): every publication is exactly one step slower than training."""
+
+    def __init__(self, *args, fail_versions=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gates = collections.defaultdict(threading.Event)
+        self.fail_versions = set(fail_versions)
+
+    def upload_weight_file(self, model_id, version, name, data):
+        assert self.gates[version + 1].wait(timeout=120), f"gate {version + 1} never opened"
+        super().upload_weight_file(model_id, version, name, data)
+
+    def publish(self, manifest):
+        if manifest.version in self.fail_versions:
+            raise ConnectionError("dataflow unreachable")
+        return super().publish(manifest)
+
+
+class OpenGates(pl.Callback):
+    """Opens gate ``s`` 0.2 s after the end of step ``s`` (so the publisher's hook for that step
+    runs first and finds version ``s - 1`` unpublished), and every gate at the end of training
+    (so the last version goes out at fit end)."""
+
+    def __init__(self, fake):
+        self.fake = fake
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        threading.Timer(0.2, self.fake.gates[trainer.global_step].set).start()
+
+    def on_train_end(self, trainer, pl_module):
+        for step in range(trainer.global_step + 2):
+            self.fake.gates[step].set()
+
+
+class PublishedAfterStep(pl.Callback):
+    """Placed after the publisher: records ``(step, last published version)`` after each step."""
+
+    def __init__(self, publisher):
+        self.publisher = publisher
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.global_step, self.publisher.last_published_version))
+
+
+def test_max_lag_versions_holds_the_trainer_to_its_publication(tiny_model_dir):
+    fake = GatedUploads(tiny_model_dir)
+    publisher = WeightPublisher(every_n_steps=1, worker="thread", max_lag_versions=1)
+    publisher.client = fake
+    seen = PublishedAfterStep(publisher)
+    fit(tiny_model_dir, fake, [OpenGates(fake), publisher, seen], 5)
+    # after the step that made version V the trainer waited for version V - 1 (without the
+    # wait the hook after the publisher's would see V - 2: V - 1's upload opens 0.2 s later)
+    assert seen.seen == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]
+    assert 1 <= publisher.lag_waits <= 4 and publisher.lag_wait_s > 0.1
+    assert publisher.replaced == 0
+    assert publisher.last_published_version == 5 and publisher.errors == 0
+
+
+def test_without_max_lag_versions_the_trainer_does_not_wait(tiny_model_dir):
+    fake = GatedUploads(tiny_model_dir)
+    publisher = WeightPublisher(every_n_steps=1, worker="thread")
+    publisher.client = fake
+    seen = PublishedAfterStep(publisher)
+    fit(tiny_model_dir, fake, [OpenGates(fake), publisher, seen], 5)
+    assert publisher.lag_waits == 0
+    # the trainer ran two versions ahead of its publication (V - 1's upload opens after V)
+    assert max(s - v for s, v in seen.seen) >= 2, seen.seen
+    assert publisher.last_published_version == 5  # at fit end
+
+
+def test_failed_publications_end_the_lag_wait(tiny_model_dir, caplog):
+    # the dataflow refuses versions 2 and 3: after step 3 the worker goes idle without
+    # version 2 or later published, and the trainer goes on (version 4 is published, full)
+    fake = GatedUploads(tiny_model_dir, fail_versions={2, 3})
+    for step in range(6):
+        fake.gates[step].set()  # no gating: only the failures
+    publisher = WeightPublisher(every_n_steps=1, worker="thread", max_lag_versions=1,
+                                flush_timeout_s=600)
+    publisher.client = fake
+    with caplog.at_level("WARNING"):
+        fit(tiny_model_dir, fake, [publisher], 4)
+    assert publisher.lag_wait_s < 600  # ended by the idle worker, not the timeout
+    assert publisher.errors == 2 and publisher.last_published_version == 4
+    assert [(m.version, m.kind) for m in fake.manifests] == [(1, "full"), (4, "full")]
+    assert "version 2 of 'policy' was not published" in caplog.text
+    assert "max_lag_versions=1" in caplog.text
+
+
+def test_max_lag_versions_must_be_positive():
+    with pytest.raises(ValueError, match="max_lag_versions: must be >= 1"):
+        WeightPublisher(max_lag_versions=0)
