@@ -25,7 +25,8 @@ eval avg@k at the start, best (and its version) and end; ``tool_call_rate_start/
 workflows); the malformed share of tool calls and the mean train reward over the first and last
 ``--window`` steps; the guard's warnings; wall time; the load average before and after.
 Per example, precision and condition: the spread over seeds, and whether every seed met the
-example's goal (``GOALS``: an end accuracy at least ``end_at_least``, an end at least ``hold`` x
+example's goal (``GOALS``: an end accuracy at least ``end_at_least``, an end at least
+``rise_at_least`` above the start, a run within ``within_s`` seconds, an end at least ``hold`` x
 the run's own best, and an end above the start).
 
 Progress goes to stderr; with ``--json`` stdout carries one JSON object per run, then one
@@ -67,6 +68,7 @@ GOALS: dict[str, dict[str, float]] = {
     "openai_agent": {"hold": 0.9},
     "multi_agent": {"hold": 0.9},
     "search_agent": {"hold": 0.9},
+    "smollm2_math": {"rise_at_least": 0.15, "within_s": 1800, "hold": 0.9},
 }
 CONDITIONS = ("quiet", "contended")
 #: the trainers' curves read for the first/last-window figures
@@ -197,10 +199,45 @@ def goal_met(name: str, row: dict) -> dict[str, bool | None]:
     met: dict[str, bool | None] = {}
     if "end_at_least" in goal:
         met["end_at_least"] = None if end is None else end >= goal["end_at_least"]
+    if "rise_at_least" in goal:
+        met["rise_at_least"] = (None if end is None or start is None
+                                else end - start >= goal["rise_at_least"])
+    if "within_s" in goal:
+        met["within_s"] = None if row.get("wall_s") is None else row["wall_s"] <= goal["within_s"]
     if "hold" in goal:
         met["hold"] = None if end is None or best is None else end >= goal["hold"] * best
     met["rose"] = None if end is None or start is None else end > start
     return met
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Eval accuracy against version, one line per run, one panel per example and condition
+    (the engine precision in each line's label, with the seed and the run's wall time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["example"], r["condition"]) for r in rows if r.get("eval")})
+    if not cells:
+        raise SystemExit("--png: no run has an eval curve to plot")
+    fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4), squeeze=False)
+    for ax, (name, condition) in zip(axes[0], cells):
+        for r in rows:
+            if (r["example"], r["condition"]) != (name, condition) or not r.get("eval"):
+                continue
+            points = sorted((int(v), acc) for v, acc in r["eval"].items())
+            wall = f", {r['wall_s'] / 60:.0f} min" if r.get("wall_s") else ""
+            ax.plot([v for v, _ in points], [a for _, a in points], marker="o",
+                    label=f"{r['dtype']} seed {r['seed']}{wall}")
+        ax.set(title=f"{name} ({condition})", xlabel="policy version", ylabel="eval accuracy",
+               ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -305,7 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench_examples_learn")
     ap.add_argument("--json", action="store_true", help="one JSON object per run on stdout, then the summary")
     ap.add_argument("--quiet", action="store_true", help="no launcher lines on stderr")
+    ap.add_argument("--png", type=Path, default=None,
+                    help="also plot each run's eval accuracy against version to this PNG")
+    ap.add_argument("--plot-from", type=Path, default=None, metavar="JSONL",
+                    help="run nothing: plot the run rows of an earlier --json output to --png")
     args = ap.parse_args(argv)
+    if args.plot_from is not None:
+        if args.png is None:
+            raise SystemExit("--plot-from: needs --png PATH")
+        rows = [json.loads(line) for line in args.plot_from.read_text().splitlines()
+                if line.strip().startswith('{"example"')]
+        plot(rows, args.png)
+        return 0
     if args.seeds < 1:
         raise SystemExit(f"--seeds: must be >= 1, got {args.seeds}")
     names = [n.strip() for n in args.examples.split(",") if n.strip()]
@@ -338,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
     summary = summarize(rows)
+    if args.png is not None:
+        plot(rows, args.png)
     if args.json:
         print(json.dumps({"summary": summary}), flush=True)
     else:

@@ -9,13 +9,19 @@ Arms, in one invocation, each from the same converted model folder
   word problems, operand ranges, temperature 1.0 and 0.7), 48 prompts x 4 samples each through
   the engine: the share answered right by the last number of the reply, and the reply lengths.
   This is how the example's task was chosen: wrong often, not always;
+- ``step``: the trainer step alone (forward, backward, optimizer step of one batch of the
+  recipe's shape, one thread), per variant, one change at a time: the output projection over
+  every position (the baseline) or from the first trained token on (``logits_to_keep``), and
+  micro-batches of 8 or the whole batch in one pass (no extra no-grad pass for M2PO's
+  whole-batch statistics). Samples/s and the ratio against the first variant;
 - ``engine``: the RaaS engine alone (:class:`~astralight.raas.vllm_engine.VLLMEngine`, the
   recipe's dtype and context), one call of ``--requests`` held-out word problems at the
   recipe's sampling: generated tokens per second, the prompt and completion lengths, the
   engine's start time;
-- ``lora`` and ``full``: ``examples/smollm2_math/recipe.yaml`` run by the launcher for
-  ``--versions`` versions (``full``: the same recipe with ``lora`` off and the engine's LoRA
-  support off, so full weights are trained and published). From the trainer's TensorBoard:
+- ``lora``, ``adapter`` and ``full``: ``examples/smollm2_math/recipe.yaml`` run by the launcher
+  for ``--versions`` versions: as shipped (LoRA trained, the merged weights published), with the
+  LoRA adapters published instead (the engine serves them with vLLM's LoRA support), and with
+  ``lora`` off (full weights trained and published). From the trainer's TensorBoard:
   samples/s and tokens/s of its steps (``perf/``), and per publication its kind (full or
   delta), bytes, the bytes a full sync would move, the compression, the share of bf16 elements
   that did not change (the delta's sparsity at a real model's update size) and the latency;
@@ -247,14 +253,118 @@ def tensorboard_figures(run_dir: Path) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------------ step arm
+
+#: trainer-step variants, one change at a time from the first (the recipe's first shape)
+STEP_VARIANTS = (
+    {"name": "micro8_full_logits", "micro_batch_size": 8, "trim": False},
+    {"name": "micro8", "micro_batch_size": 8, "trim": True},
+    {"name": "micro32", "micro_batch_size": 32, "trim": True},
+)
+
+
+def step_batch(model: Path, recipe: dict, reply_tokens: int = 38, seed: int = 0) -> dict:
+    """One trainer batch of the recipe's shape: its batch size of word-problem prompts rendered
+    with the model's chat template (groups of the recipe's group size), each followed by
+    ``reply_tokens`` random tokens (the measured mean reply) and EOS, with behaviour log-probs
+    and rewards drawn at random (the cost of a step does not depend on them)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from astralight.datamodules import collate_batch
+    from astralight.protocol import Batch, Sample
+    from astralight.tasks.word_problems import WordProblemSource
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rng = np.random.default_rng(seed)
+    batch_size = int(recipe["trainers"][0]["data"]["init_args"]["batch_size"])
+    group = int(recipe["dataflow"]["group_size"])
+    src_args = {k: v for k, v in recipe["dataflow"]["source"]["init_args"].items()
+                if k != "seed"}
+    src = WordProblemSource(**{**src_args, "seed": seed})
+    samples = []
+    for g in range(batch_size // group):
+        prompt = tok.apply_chat_template(src.get(g).prompt, add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        for k in range(group):
+            reply = rng.integers(100, len(tok) - 1, reply_tokens).tolist() + [tok.eos_token_id]
+            ids = np.asarray(list(prompt) + reply, dtype=np.int32)
+            mask = np.zeros(len(ids), np.uint8)
+            mask[len(prompt):] = 1
+            logp = (-rng.exponential(1.0, len(ids))).astype(np.float32) * mask
+            reward = float(rng.integers(0, 2))
+            samples.append(Sample(
+                task_id=f"t{g}", sample_index=k, model_id="policy", token_ids=ids,
+                logprobs=logp, loss_mask=mask,
+                versions=np.where(mask > 0, 0, -1).astype(np.int32),
+                reward=reward, advantage=reward - 0.5, prompt_len=len(prompt), group_index=g))
+    return collate_batch(Batch("step", "policy", 0, samples), trainer_version=0)
+
+
+def step_arm(model: Path, recipe: dict, steps: int) -> list[dict]:
+    """The trainer step alone, one thread (the recipe pins the trainer to one core): forward,
+    backward and optimizer step of :func:`step_batch` by the recipe's policy, per
+    :data:`STEP_VARIANTS` (``trim: False``: the output projection over every position, as
+    before ``logits_to_keep``). One warm-up step, then ``steps`` timed ones."""
+    import torch
+
+    from astralight.policy import M2POPolicy
+    from astralight.rl import logprobs as logprobs_mod
+
+    torch.set_num_threads(1)
+    init_args = copy.deepcopy(recipe["trainers"][0]["model"]["init_args"])
+    init_args["model_path"] = str(model)
+    collated = step_batch(model, recipe)
+    keep = logprobs_mod.accepts_logits_to_keep
+    rows = []
+    for variant in STEP_VARIANTS:
+        logprobs_mod.accepts_logits_to_keep = keep if variant["trim"] else (lambda m: False)
+        try:
+            torch.manual_seed(0)
+            policy = M2POPolicy(**{**init_args, "micro_batch_size": variant["micro_batch_size"]})
+            policy.configure_model()
+            opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],
+                                    lr=float(init_args.get("lr", 1e-4)))
+            times = []
+            for i in range(steps + 1):
+                t0 = time.perf_counter()
+                batch = policy.prepare_batch(dict(collated))
+                policy.accumulate_gradients(batch)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            logprobs_mod.accepts_logits_to_keep = keep
+        n = int(collated["input_ids"].shape[0])
+        rows.append({"arm": "step", "variant": variant["name"], **variant, "batch": n,
+                     "seq_len": int(collated["input_ids"].shape[1]),
+                     "step_s": [round(t, 2) for t in times],
+                     "samples_per_s": round(n / statistics.median(times), 3),
+                     "load": _load()})
+        del policy, opt
+    base_rate = rows[0]["samples_per_s"]
+    for row in rows:
+        row["ratio_vs_first"] = round(row["samples_per_s"] / base_rate, 3)
+    return rows
+
+
+#: the run arms: the example as shipped (LoRA trained, merged weights published), the same with
+#: the LoRA adapters published (the engine serves them with vLLM's LoRA support), full
+#: fine-tuning
+RUN_ARMS = ("lora", "adapter", "full")
+
+
 def arm_recipe(base: dict, arm: str, versions: int) -> dict:
     recipe = run_recipe(base, 0, None, versions, [])
+    model_args = recipe["trainers"][0]["model"]["init_args"]
+    engines = [e for raas in recipe["raas"] for e in raas["engines"].values()]
     if arm == "full":
-        recipe["trainers"][0]["model"]["init_args"]["lora"] = None
-        for raas in recipe["raas"]:
-            for engine in raas["engines"].values():
-                engine.pop("enable_lora", None)
-                engine.pop("max_lora_rank", None)
+        model_args["lora"] = None
+    elif arm == "adapter":
+        model_args["lora"] = {**model_args["lora"], "publish": "adapter"}
+        for engine in engines:
+            engine.update(enable_lora=True, max_lora_rank=int(model_args["lora"]["r"]))
     return recipe
 
 
@@ -272,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     from astralight.pretrained import prepare_smollm2
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arms", default="engine,lora,full", help="any of shapes,engine,lora,full")
+    ap.add_argument("--arms", default="engine,lora,full",
+                    help="any of shapes,step,engine,lora,adapter,full")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per step-arm variant")
     ap.add_argument("--versions", type=int, default=4, help="versions per run arm")
     ap.add_argument("--requests", type=int, default=64, help="prompts in the engine arm's call")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "bench_smollm2")
@@ -280,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no launcher lines on stderr")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(arms) - {"shapes", "engine", "lora", "full"}
+    known = ("shapes", "step", "engine") + RUN_ARMS
+    unknown = set(arms) - set(known)
     if unknown:
-        raise SystemExit(f"--arms: unknown {sorted(unknown)}; choose from shapes, engine, lora, full")
+        raise SystemExit(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     base = example_recipe(EXAMPLE)
     prepared = args.out_dir / "_prepared"
     model = prepared / "models" / "init"
@@ -292,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for arm in arms:
         log(f"[bench_smollm2] {arm}: start (load {_load()})")
-        if arm == "shapes":
-            for row in shapes_arm(model, base):
+        if arm in ("shapes", "step"):
+            for row in (shapes_arm(model, base) if arm == "shapes"
+                        else step_arm(model, base, args.steps)):
                 print(json.dumps(row) if args.json else row, flush=True)
             continue
         row = (engine_arm(model, base, args.requests) if arm == "engine"

@@ -4,6 +4,8 @@ cell. Its runs start the whole system and are run by hand."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from astralight.launch.recipe_schema import validate_recipe
@@ -43,6 +45,14 @@ def test_goals_per_run():
     assert bench.goal_met("tool_use", ok) == {"end_at_least": True, "hold": True, "rose": True}
     assert bench.goal_met("tool_use", fell) == {"end_at_least": False, "hold": False, "rose": False}
     assert bench.goal_met("toy", {"eval_accuracy_start": 0.2})["end_at_least"] is None  # no eval
+    # smollm2_math: 15 points up within 30 minutes
+    rose = {"eval_accuracy_start": 0.2, "eval_accuracy_best": 0.6, "eval_accuracy_end": 0.56,
+            "wall_s": 1500}
+    assert bench.goal_met("smollm2_math", rose) == {"rise_at_least": True, "within_s": True,
+                                                    "hold": True, "rose": True}
+    late = {**rose, "eval_accuracy_end": 0.3, "wall_s": 1900}
+    assert bench.goal_met("smollm2_math", late) == {"rise_at_least": False, "within_s": False,
+                                                    "hold": False, "rose": True}
 
 
 def test_the_summary_holds_every_seed_of_a_cell_and_fails_a_goal_if_one_seed_does():
@@ -55,3 +65,17 @@ def test_the_summary_holds_every_seed_of_a_cell_and_fails_a_goal_if_one_seed_doe
     assert cells["contended"]["goals_met"] == {"hold": False}
     assert cells["contended"]["eval_accuracy_end"] == {"mean": 0.295, "min": 0.0, "max": 0.59, "n": 2}
     assert cells["contended"]["warnings"] == ["reward_drop (policy)"]
+
+
+def test_plot_from_earlier_rows(tmp_path):
+    rows = [{"example": "smollm2_math", "dtype": "auto", "condition": "quiet", "seed": s,
+             "wall_s": 1500.0, "eval": {"0": 0.2, "5": 0.3 + s / 10, "10": 0.6}} for s in range(2)]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"summary": []}\n')
+    png = tmp_path / "curve.png"
+    assert bench.main(["--plot-from", str(jsonl), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="--plot-from: needs --png"):
+        bench.main(["--plot-from", str(jsonl)])
+    with pytest.raises(SystemExit, match="no run has an eval curve"):
+        bench.plot([{**rows[0], "eval": {}}], png)
