@@ -44,8 +44,8 @@ That delay is unbounded by default. ``max_lag_versions=N`` bounds it: after the 
 version ``V`` the trainer waits until version ``V - N`` or a later one is published before it
 takes its next step. Without the bound a trainer that keeps its core busy can starve its own
 publication: measured with SmolLM2-135M on a 2-core CPU (a 270 MB bf16 snapshot, the worker at
-nice 19 on the trainer's core), the trainer ran 4 versions ahead of the last published one, and
-since staleness is measured against the trainer's version, half of the rollouts were dropped
+nice 19 on the trainer's core), the trainer ran 3 versions ahead of the last published one, and
+since staleness is measured against the trainer's version, 43% of the rollouts were dropped
 stale. The wait yields the core to the worker; it is logged as ``publish/lag_wait_s``.
 
 Precision
