@@ -337,7 +337,7 @@ def step_arm(model: Path, recipe: dict, steps: int) -> list[dict]:
         finally:
             logprobs_mod.accepts_logits_to_keep = keep
         n = int(collated["input_ids"].shape[0])
-        rows.append({"arm": "step", "variant": variant["name"], **variant, "batch": n,
+        rows.append({"arm": "step", **variant, "batch": n,
                      "seq_len": int(collated["input_ids"].shape[1]),
                      "step_s": [round(t, 2) for t in times],
                      "samples_per_s": round(n / statistics.median(times), 3),
