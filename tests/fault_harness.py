@@ -355,7 +355,9 @@ class FaultRun:
             time.sleep(poll_s)
 
     def wait_version(self, version: int, timeout_s: float) -> None:
-        self.wait(lambda: self.version() >= version, timeout_s, f"version {version}")
+        # polled fast: a trainer training from a full buffer publishes versions tens of
+        # milliseconds apart, so a slow poll injects the fault versions later than asked
+        self.wait(lambda: self.version() >= version, timeout_s, f"version {version}", poll_s=0.05)
 
     def log_tails(self, lines: int = 25) -> str:
         return "\n".join(f"--- {c.name} ---\n{c.tail(lines)}" for c in self.components())
@@ -715,7 +717,8 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
                       state_tmpfs_mb=s.state_disk_mb if name == "state_disk_full" else None)
         log(f"{name}: components started in {run.work}")
         run.wait_version(s.fault_at, s.timeout_s)
-        log(f"{name}: version {run.version()}, injecting the fault")
+        v_fault = run.version()
+        log(f"{name}: version {v_fault}, injecting the fault")
         t_fault = time.time()
         if name == "dataflow_kill":
             run.retire(run.dataflow)
@@ -809,6 +812,12 @@ def run_scenario(name: str, work: Path, model_dir: str | Path, settings: Setting
             t_clear = g.pop("t_end")
             detail.update(g)
         out["fault_s"] = round(t_clear - t_fault, 2)
+        detail["version_at_fault"] = v_fault
+        if run.version() >= s.versions:
+            raise ScenarioError(
+                f"the run reached its target version {s.versions} before the fault was cleared "
+                f"(injected at version {v_fault}; the trainer trained what was queued): nothing "
+                "was left to recover; inject it earlier (fault_at) or run more versions")
         log(f"{name}: fault cleared after {out['fault_s']}s; waiting for version {s.versions}")
         out.update(run.finish(max(30.0, s.timeout_s - (time.time() - t0))))
         if name == "state_disk_full":
