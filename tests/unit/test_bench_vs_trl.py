@@ -61,6 +61,60 @@ def test_the_parity_config_is_trls_grpo_set_by_recipe_keys_alone(tmp_path):
     load_recipe(path)  # the publisher's precision is a key the schema knows
 
 
+def test_the_smollm2_task_is_the_example_recipe_set_to_trls_grpo(tmp_path):
+    """``--task smollm2`` runs examples/smollm2_math/recipe.yaml as it ships (its model, task,
+    LoRA shape and temperature), in-run evals off, with the parity keys at its batch of 32."""
+    shipped = yaml.safe_load((bench.ROOT / bench.TASKS["smollm2"]["recipe"]).read_text())
+    keys = bench.config_keys("parity", "smollm2", 5e-4)
+    assert "trainers.0.data.init_args.batch_size=32" in keys and "dataflow.group_size=8" in keys
+    recipe = bench.astra_recipe(600, 8765, keys, task="smollm2", seed=1)
+    validate_recipe(recipe)
+    assert recipe["prepare"] == shipped["prepare"]
+    assert recipe["dataflow"]["source"] == shipped["dataflow"]["source"]
+    assert recipe["dataflow"]["eval"]["source"] is None
+    model = recipe["trainers"][0]["model"]["init_args"]
+    assert model["lora"] == shipped["trainers"][0]["model"]["init_args"]["lora"]
+    assert model["temperature"] == bench.TASKS["smollm2"]["temperature"] == 0.7
+    assert model["loss"] == "ppo_clip" and model["lr"] == 5e-4
+    assert recipe["dataflow"]["max_staleness"] == 0 and recipe["stop"]["max_wall_s"] == 600
+    sampling = recipe["raas"][0]["workflow"]["init_args"]["sampling"]
+    assert sampling == {"temperature": 0.7, "max_tokens": 48}
+    lora = bench.TASKS["smollm2"]["lora"]  # TRL's adapter shape is the recipe's
+    assert (lora["r"], lora["alpha"], lora["target_modules"]) == (
+        model["lora"]["r"], model["lora"]["alpha"], model["lora"]["target_modules"])
+    assert bench.TASKS["smollm2"]["table"].items() <= shipped["dataflow"]["source"][
+        "init_args"].items()
+
+
+def test_trls_lora_snapshot_is_the_merged_weights_under_the_base_names():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, tie_word_embeddings=True))
+    names = set(base.state_dict())
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            lora_dropout=0.0))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)  # B starts at 0: give the adapters an effect
+    ids = torch.tensor([[1, 5, 7, 3]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    state = bench.merged_state(model)
+    assert set(state) == names
+    plain = LlamaForCausalLM(base.config)
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        got = plain(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # the adapters were not merged into the model itself
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
 def _run(accs, budget=600, per_point=100, milestones=()):
     n = len(accs) - 1
     run = {"curve": [{"t": budget * i / n, "acc": a, "samples": per_point * i, "steps": i}
