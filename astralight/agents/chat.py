@@ -43,7 +43,7 @@ class TemplateError(ValueError):
 def render(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
            add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
     """The chat template's text for ``messages`` (and ``tools``, as the template's ``tools``)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not template_kwargs.get("chat_template"):
         raise TemplateError("tokenizer: has no chat template; give the model folder a "
                             "tokenizer_config.json with chat_template, or use a text workflow")
     return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,

@@ -28,16 +28,18 @@ from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec, build_chat_mode
 Conversation = Sequence[dict]
 
 
-def transcript_of(tokenizer, conversation: Conversation, tools: list | None = None) -> ChatTranscript:
+def transcript_of(tokenizer, conversation: Conversation, tools: list | None = None,
+                  **template_kwargs) -> ChatTranscript:
     """``conversation`` laid out as the workflows lay out an episode: the messages before the
     first assistant turn as the prompt, then each assistant turn as if generated (with its stop
-    token), and the messages between turns as the template renders them."""
+    token), and the messages between turns as the template renders them (``template_kwargs``:
+    as a workflow's, e.g. ``chat_template``)."""
     first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), None)
     if first is None or first == 0:
         raise ValueError("conversation: needs messages before a first assistant turn")
     if conversation[-1]["role"] != "assistant":
         raise ValueError("conversation: must end with an assistant turn")
-    t = ChatTranscript(tokenizer, conversation[:first], tools)
+    t = ChatTranscript(tokenizer, conversation[:first], tools, **template_kwargs)
     pending: list[dict] = []
     for m in conversation[first:]:
         if m["role"] != "assistant":
@@ -52,9 +54,9 @@ def transcript_of(tokenizer, conversation: Conversation, tools: list | None = No
 
 
 def encode_conversations(tokenizer, conversations: Sequence[Conversation], tools: list | None = None,
-                         max_len: int | None = None):
+                         max_len: int | None = None, **template_kwargs):
     """Right-padded ids, attention mask and loss mask (assistant turns) of ``conversations``."""
-    rows = [transcript_of(tokenizer, c, tools) for c in conversations]
+    rows = [transcript_of(tokenizer, c, tools, **template_kwargs) for c in conversations]
     width = max(len(r) for r in rows)
     if max_len is not None and width > max_len:
         raise ValueError(f"conversations: the longest is {width} tokens, more than the model's "

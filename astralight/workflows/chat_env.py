@@ -75,6 +75,11 @@ class ChatEnvWorkflow(ChatEpisodeWorkflow):
         max_total_tokens: most tokens per episode (prompt, turns, observations, tool results).
         system_prompt: the system message before the first observation ("" for none).
         chat_template_kwargs: extra variables for the chat template (``enable_thinking``...).
+        chat_template: render with this template instead of the tokenizer's: a shipped name
+            (``chatml_tools``: ChatML with a Hermes-style tools section, for models whose own
+            template has none), a ``.jinja`` path or the template text
+            (:mod:`astralight.agents.chat_templates`). A template that leaves the tools out of
+            the prompt is refused at the first episode.
         max_result_chars: a longer tool result is cut.
         role: the samples' role tag.
     """
@@ -86,9 +91,10 @@ class ChatEnvWorkflow(ChatEpisodeWorkflow):
                  sampling: SamplingSpec | None = None, eval_sampling: SamplingSpec | None = None,
                  max_turns: int = 8, max_total_tokens: int = 4096, system_prompt: str = "",
                  chat_template_kwargs: dict | None = None, max_result_chars: int = 2000,
-                 role: str = ""):
+                 role: str = "", chat_template: str | None = None):
         super().__init__(tools, sampling, eval_sampling, max_turns, max_total_tokens,
-                         system_prompt, chat_template_kwargs, max_result_chars, role)
+                         system_prompt, chat_template_kwargs, max_result_chars, role,
+                         chat_template)
         self.factory = _resolve(environment)
         self.environment_kwargs = dict(environment_kwargs or {})
 

@@ -13,7 +13,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from astralight.agents.chat import ChatTranscript
+from astralight.agents.chat import ChatTranscript, TemplateError
+from astralight.agents.chat_templates import load_chat_template, renders_tools
 from astralight.agents.stats import ToolStats
 from astralight.agents.tools import ToolBox, ToolCall
 from astralight.engine import SamplingSpec, gather_all
@@ -72,7 +73,7 @@ class ChatEpisodeWorkflow(Workflow):
     def __init__(self, tools: list[Any] | None, sampling: SamplingSpec | None,
                  eval_sampling: SamplingSpec | None, max_turns: int, max_total_tokens: int,
                  system_prompt: str, chat_template_kwargs: dict | None, max_result_chars: int,
-                 role: str):
+                 role: str, chat_template: str | None = None):
         if max_turns < 1:
             raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
         if max_total_tokens < 1:
@@ -85,7 +86,12 @@ class ChatEpisodeWorkflow(Workflow):
         self.max_total_tokens = int(max_total_tokens)
         self.system_prompt = system_prompt
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if "chat_template" in self.chat_template_kwargs:
+            raise ValueError("chat_template_kwargs.chat_template: set the workflow's "
+                             "chat_template instead (a shipped name, a .jinja path or the text)")
+        self.chat_template = load_chat_template(chat_template)
         self.role = role
+        self._tools_checked: set[int] = set()  # tokenizers whose template was seen to show tools
 
     async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
         return await chat_episode_samples(task, engines, self.play, self.role)
@@ -94,9 +100,23 @@ class ChatEpisodeWorkflow(Workflow):
         return self.eval_sampling if task.kind == "eval" else self.sampling
 
     def transcript(self, engine: Any, messages: list[dict]) -> ChatTranscript:
-        """A new episode's transcript over ``messages``, with the tools and template variables."""
-        return ChatTranscript(engine.tokenizer, messages, self.toolbox.schemas(),
-                              **self.chat_template_kwargs)
+        """A new episode's transcript over ``messages``, with the tools, the template and its
+        variables. Refuses a template that leaves the tools out of the prompt: the model would
+        be trained to call tools it was never shown."""
+        tools = self.toolbox.schemas()
+        kwargs = dict(self.chat_template_kwargs)
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        tokenizer = engine.tokenizer
+        if tools and id(tokenizer) not in self._tools_checked:
+            if not renders_tools(tokenizer, tools, self.chat_template):
+                raise TemplateError(
+                    "chat template: renders no tools (the prompt is the same with and without "
+                    f"them), so the model never sees {', '.join(self.toolbox.tools)}; set the "
+                    "workflow's chat_template: chatml_tools (ChatML with a Hermes-style tools "
+                    "section) or a template file that renders tools")
+            self._tools_checked.add(id(tokenizer))
+        return ChatTranscript(tokenizer, messages, tools, **kwargs)
 
     def token_limit(self, engine: Any) -> int:
         """Most tokens an episode may hold: ``max_total_tokens``, or the engine's context."""

@@ -42,6 +42,11 @@ class ToolAgentWorkflow(ChatEpisodeWorkflow):
         max_total_tokens: most tokens per episode (prompt, turns and tool results).
         system_prompt: the system message for text prompts ("" for none).
         chat_template_kwargs: extra variables for the chat template (``enable_thinking``...).
+        chat_template: render with this template instead of the tokenizer's: a shipped name
+            (``chatml_tools``: ChatML with a Hermes-style tools section, for models whose own
+            template has none), a ``.jinja`` path or the template text
+            (:mod:`astralight.agents.chat_templates`). A template that leaves the tools out of
+            the prompt is refused at the first episode.
         max_result_chars: a longer tool result is cut.
         role: the samples' role tag.
     """
@@ -52,11 +57,12 @@ class ToolAgentWorkflow(ChatEpisodeWorkflow):
                  eval_sampling: SamplingSpec | None = None, max_turns: int = 4,
                  max_total_tokens: int = 4096, system_prompt: str = "",
                  chat_template_kwargs: dict | None = None, max_result_chars: int = 2000,
-                 role: str = ""):
+                 role: str = "", chat_template: str | None = None):
         if not callable(reward):
             raise TypeError(f"reward: expected a Reward, got {type(reward).__name__}")
         super().__init__(tools, sampling, eval_sampling, max_turns, max_total_tokens,
-                         system_prompt, chat_template_kwargs, max_result_chars, role)
+                         system_prompt, chat_template_kwargs, max_result_chars, role,
+                         chat_template)
         self.reward = reward
 
     async def play(self, task: Task, engine: Any, slot: int) -> tuple[ChatTranscript, float, dict]:
