@@ -12,7 +12,8 @@ The model's ``<tool_call>{json}</tool_call>`` blocks (Qwen3/Hermes, read by
 :func:`astralight.agents.tools.parse_tool_calls`) become OpenAI ``tool_calls``
 (:func:`split_tool_calls`); :func:`completion_body` lays a record out as OpenAI's
 ``chat.completion`` object (``finish_reason`` ``"tool_calls"`` when there are any, ``usage``
-counting the tokens).
+counting the tokens), and :func:`completion_chunks` / :func:`sse_events` as the chunks of a
+streamed call (``stream: true``: the completion is whole before its first chunk is sent).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from astralight.raas.openai_requests import ChatRequest, RequestError, bad_reque
 from astralight.workflows.chat_episodes import decode_turn
 
 __all__ = ["complete", "prepare_prompt", "off_loop", "sampling_spec", "split_tool_calls",
-           "completion_body"]
+           "completion_body", "completion_chunks", "sse_events"]
 
 T = TypeVar("T")
 
@@ -264,3 +265,40 @@ def completion_body(ep: Episode, r: CallRecord, with_logprobs: bool) -> dict:
                          "logprobs": logprobs}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_comp,
                       "total_tokens": n_prompt + n_comp}}
+
+
+def completion_chunks(body: dict, include_usage: bool = False) -> list[dict]:
+    """A ChatCompletion (:func:`completion_body`) as OpenAI's ``chat.completion.chunk`` stream:
+    the role, the content (its log-probs with it), one chunk per tool call (``index``, ``id``,
+    name and the whole ``arguments``), the finish reason, and with ``include_usage`` a last chunk
+    with no choices and the usage (``usage`` null on the others, as OpenAI sends them)."""
+    choice = body["choices"][0]
+    message, logprobs = choice["message"], choice["logprobs"]
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
+            "model": body["model"]}
+    if include_usage:
+        head["usage"] = None
+
+    def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
+                                     "finish_reason": finish}]}
+
+    deltas = []
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk(d, lp=logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+    out.append(chunk({}, choice["finish_reason"], None if deltas else logprobs))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": body["usage"]})
+    return out
+
+
+def sse_events(chunks: list[dict]):
+    """Server-sent events of ``chunks`` (``data: {json}``, a blank line after each), then
+    ``data: [DONE]``: what OpenAI's clients read from a streamed call."""
+    for c in chunks:
+        yield f"data: {json.dumps(c, ensure_ascii=True, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"

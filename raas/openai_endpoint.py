@@ -23,7 +23,7 @@ How a request is served:
    its lifetime never touch the RaaS's loop) checks the bearer token and the Origin/Host headers
    (:class:`~astralight.raas.openai_guard.LoopbackGuard`), reads the body up to its size limit
    and validates the JSON (:func:`~astralight.raas.openai_requests.parse_request`): anything the
-   endpoint cannot honour exactly (``n > 1``, streaming, penalties, logit bias, multi-token stop
+   endpoint cannot honour exactly (``n > 1``, penalties, logit bias, multi-token stop
    strings, ...) is a 400 naming the field, in OpenAI's error layout, never silently ignored;
 2. the call is handed to the episode's loop (:func:`asyncio.run_coroutine_threadsafe`): the RaaS
    runs every workflow on one loop and the engine's callers and its tokenizer live there, exactly
@@ -36,7 +36,11 @@ How a request is served:
 3. the model's ``<tool_call>{json}</tool_call>`` blocks (Qwen3/Hermes, read by
    :func:`astralight.agents.tools.parse_tool_calls`) become OpenAI ``tool_calls`` (``arguments``
    a JSON string; ``content`` the text outside the blocks, null when empty; ``finish_reason``
-   ``"tool_calls"``); ``usage`` counts the tokens.
+   ``"tool_calls"``); ``usage`` counts the tokens;
+4. with ``stream: true`` the same completion goes out as ``chat.completion.chunk``
+   server-sent events once it is whole (role, content, each tool call, the finish reason,
+   ``stream_options.include_usage``'s usage chunk, ``[DONE]``): streaming clients work, and
+   nothing about the sampling or the record changes.
 
 Security (astralight/ARCHITECTURE.md rule 4): bound to 127.0.0.1 only; every request needs
 ``Authorization: Bearer <token>`` with the process's random token (compared in constant time over
@@ -63,9 +67,10 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from astralight.raas.openai_completions import complete, completion_body
+from astralight.raas.openai_completions import (complete, completion_body, completion_chunks,
+                                                 sse_events)
 from astralight.raas.openai_episodes import CallRecord, Episode, EpisodeSettings
 from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_digest
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
@@ -209,9 +214,16 @@ class OpenAIEndpoint:
             try:
                 ep = self._episode(episode_id)
                 req = parse_request(await read_json(request, self.max_body_bytes))
-                return JSONResponse(await self._serve(ep, req))
+                body = await self._serve(ep, req)
             except RequestError as exc:
                 return error(exc)
+            if not req.stream:
+                return JSONResponse(body)
+            # generated to its end already (the record is exact): its chunks, as server-sent
+            # events; an error before this point is a plain JSON error, as OpenAI answers one
+            return StreamingResponse(sse_events(completion_chunks(body, req.include_usage)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def unknown(path: str):

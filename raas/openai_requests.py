@@ -2,8 +2,10 @@
 field into a :class:`ChatRequest` (:func:`parse_request`), and :class:`RequestError`, the refusal
 in OpenAI's error layout that every route answers with.
 
-Anything the endpoint cannot honour exactly (``n > 1``, streaming, penalties, logit bias,
-``response_format`` other than text, top log-probs, images...) is a 400 naming the field, never
+``stream: true`` is honoured (the completion is generated to its end, then sent as chunks:
+nothing about the sampling changes). Anything the endpoint cannot honour exactly (``n > 1``,
+penalties, logit bias, ``response_format`` other than text, top log-probs, images...) is a 400
+naming the field, never
 silently ignored: the trainer corrects for the behaviour log-probs of what was sampled, so a
 request option that changed the sampling without being recorded would bias training.
 """
@@ -30,11 +32,15 @@ MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: request fields that change nothing here (metadata for OpenAI's own bookkeeping)
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier",
-                            "stream_options", "prediction"})
+                            "prediction"})
 KNOWN_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p",
-                          "max_tokens", "max_completion_tokens", "stop", "n", "stream", "seed",
-                          "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
-                          "logit_bias", "response_format"}) | IGNORED_FIELDS
+                          "max_tokens", "max_completion_tokens", "stop", "n", "stream",
+                          "stream_options", "seed", "logprobs", "top_logprobs",
+                          "frequency_penalty", "presence_penalty", "logit_bias",
+                          "response_format"}) | IGNORED_FIELDS
+#: ``stream_options`` keys: ``include_usage`` is honoured; ``include_obfuscation`` (random
+#: padding against length side channels, meaningless on loopback) changes nothing here
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
 class RequestError(Exception):
@@ -72,6 +78,8 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = False
+    stream: bool = False  # answer as server-sent chunks (generated to the end first)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -188,6 +196,28 @@ def _tools(value: Any) -> list[dict]:
     return out
 
 
+def _stream(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("stream", f"must be true or false, got {str(stream)[:40]}")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise bad_request("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options", "must be an object")
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        raise bad_request(f"stream_options.{unknown[0]}",
+                          f"unknown option (supported: {sorted(STREAM_OPTIONS)})")
+    for name in STREAM_OPTIONS:
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise bad_request(f"stream_options.{name}", "must be true or false")
+    return True, bool(options.get("include_usage"))
+
+
 def parse_request(body: Any) -> ChatRequest:
     """Validate a chat completions body; RequestError (400, naming the field) for anything the
     endpoint cannot honour exactly."""
@@ -204,8 +234,7 @@ def parse_request(body: Any) -> ChatRequest:
     if n not in (None, 1):
         raise bad_request("n", f"only n=1 is supported (each call is one recorded completion), "
                           f"got {n}; call once per completion")
-    if body.get("stream"):
-        raise bad_request("stream", "streaming is not supported; leave stream unset")
+    stream, include_usage = _stream(body)
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, -2.0, 2.0) not in (None, 0.0):
             raise bad_request(name, "penalties are not supported (they would change the behaviour "
@@ -243,7 +272,8 @@ def parse_request(body: Any) -> ChatRequest:
         model=model, messages=_messages(body.get("messages")), tools=_tools(body.get("tools")),
         use_tools=tool_choice != "none", temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), max_tokens=max_tokens, stop=stops,
-        seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), logprobs=bool(logprobs))
+        seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), logprobs=bool(logprobs),
+        stream=stream, include_usage=include_usage)
 
 
 async def read_json(request: Any, max_bytes: int) -> Any:

@@ -113,7 +113,10 @@ def test_token_is_required(endpoint, engine):
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"n": 2}, "n"),
-    ({"stream": True}, "stream"),
+    ({"extra_body": {"stream": "yes"}}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options.chunk_size"),
     ({"temperature": 5.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"stop": ["ab"]}, "stop"),
@@ -195,6 +198,54 @@ def test_tool_calls_in_openai_schema_and_exact_records(endpoint, engine, tok):
     # the re-rendered assistant turn is what the model generated: the calls merge
     [seg] = merge_calls(records)
     assert seg.token_ids[:len(r1.prompt_ids)] == r1.prompt_ids
+
+
+def test_a_streamed_call_is_the_same_completion_in_chunks(endpoint, engine, tok):
+    """``stream: true`` (LangChain ``streaming=True``, the Agents SDK's ``run_streamed``): the
+    client's accumulated chunks are the non-streamed answer, and the records are the same."""
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        plain = client.chat.completions.create(model="policy", messages=MSGS,
+                                               tools=EXAMPLE.TOOLS, logprobs=True, seed=5)
+        stream = client.chat.completions.create(model="policy", messages=MSGS,
+                                                tools=EXAMPLE.TOOLS, logprobs=True, seed=5,
+                                                stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        with client.chat.completions.stream(model="policy", messages=MSGS,
+                                            tools=EXAMPLE.TOOLS) as helper:  # the SDK's helper
+            final = helper.get_final_completion()
+        answer = client.chat.completions.create(model="policy", stream=True, messages=MSGS + [
+            {"role": "tool", "tool_call_id": "c", "content": "579"}])
+        return plain, chunks, final, list(answer)
+
+    (plain, chunks, final, answer), records = in_episode(endpoint, engine, call)
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    *body, usage = chunks
+    assert usage.choices == [] and usage.usage.completion_tokens == len(records[1].completion_ids)
+    assert all(c.usage is None for c in body)
+    deltas = [c.choices[0].delta for c in body]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == plain.choices[0].message.content
+    [tc] = [t for d in deltas for t in (d.tool_calls or [])]
+    want = plain.choices[0].message.tool_calls[0]
+    assert (tc.index, tc.id, tc.type) == (0, records[1].tool_calls[0]["id"], "function")
+    assert (tc.function.name, tc.function.arguments) == (want.function.name,
+                                                         want.function.arguments)
+    assert [c.choices[0].finish_reason for c in body][-1] == "tool_calls"
+    streamed_lp = [t.logprob for c in body if c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content]
+    assert streamed_lp == [t.logprob for t in plain.choices[0].logprobs.content]
+    # the SDK's stream helper rebuilds the same message
+    assert final.choices[0].message.tool_calls[0].function.name == "add"
+    assert final.choices[0].message.content == plain.choices[0].message.content
+    # an answer without tool calls: content, then "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in answer) == "579"
+    assert answer[-1].choices[0].finish_reason == "stop"
+    # every call was generated and recorded as a plain one is
+    assert len(records) == 4
+    assert records[0].completion_ids == records[1].completion_ids == records[2].completion_ids
+    assert records[1].logprobs == records[0].logprobs and records[3].tool_calls == []
 
 
 def test_context_too_long_and_max_calls(endpoint, tok):
