@@ -117,7 +117,8 @@ def prepare_prompt(ep: Episode, req: ChatRequest) -> Prompt:
     as single tokens."""
     tok = ep.engine.tokenizer
     tools = req.tools if req.use_tools else []
-    text = render_prompt(tok, req.messages, tools, ep.settings.chat_template_kwargs)
+    text = render_prompt(tok, req.messages, tools,
+                         {**ep.settings.chat_template_kwargs, **req.template_kwargs})
     limit = context_limit(ep)
     refuse_what_cannot_fit(tok, text, limit)
     ids = encode_prompt(tok, text)

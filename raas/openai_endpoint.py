@@ -7,7 +7,8 @@ workflow that needs it. It serves, per *episode*, the routes an ``openai.OpenAI(
 client calls:
 
 - ``POST /v1/episodes/{episode_id}/chat/completions`` -- an OpenAI ChatCompletion;
-- ``GET /v1/episodes/{episode_id}/models`` -- the episode's one model (its policy's model_id).
+- ``GET /v1/episodes/{episode_id}/models`` -- the episode's one model (its policy's model_id);
+  ``.../models/{model}`` retrieves it.
 
 A workflow opens an episode (:meth:`OpenAIEndpoint.open_episode`: the policy's engine, its
 model_id, the asyncio loop the engine is driven from, sampling defaults), hands the agent
@@ -208,6 +209,17 @@ class OpenAIEndpoint:
                 return error(exc)
             return {"object": "list", "data": [{"id": ep.model_id, "object": "model",
                                                 "created": 0, "owned_by": "astralight"}]}
+
+        @app.get("/v1/episodes/{episode_id}/models/{model}")
+        async def model(episode_id: str, model: str):
+            try:
+                ep = self._episode(episode_id)
+                if model != ep.model_id:
+                    raise RequestError(404, "model", f"model: {model!r} is not served to this "
+                                       f"episode; it serves {ep.model_id!r}", "model_not_found")
+            except RequestError as exc:
+                return error(exc)
+            return {"id": ep.model_id, "object": "model", "created": 0, "owned_by": "astralight"}
 
         @app.post("/v1/episodes/{episode_id}/chat/completions")
         async def chat_completions(episode_id: str, request: Request):

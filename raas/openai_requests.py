@@ -32,12 +32,19 @@ MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: request fields that change nothing here (metadata for OpenAI's own bookkeeping)
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier",
-                            "prediction"})
+                            "prediction", "prompt_cache_key", "safety_identifier",
+                            # read by OpenAI's own reasoning models; a policy's template reads
+                            # chat_template_kwargs (e.g. Qwen3's enable_thinking) instead
+                            "reasoning_effort", "verbosity"})
 KNOWN_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperature", "top_p",
                           "max_tokens", "max_completion_tokens", "stop", "n", "stream",
                           "stream_options", "seed", "logprobs", "top_logprobs",
                           "frequency_penalty", "presence_penalty", "logit_bias",
-                          "response_format"}) | IGNORED_FIELDS
+                          "response_format", "chat_template_kwargs"}) | IGNORED_FIELDS
+#: chat template variables a request may not set (the endpoint sets them)
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents",
+                                      "chat_template", "add_generation_prompt", "tokenize",
+                                      "continue_final_message", "return_dict"})
 #: ``stream_options`` keys: ``include_usage`` is honoured; ``include_obfuscation`` (random
 #: padding against length side channels, meaningless on loopback) changes nothing here
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
@@ -79,6 +86,7 @@ class ChatRequest:
     seed: int | None = None
     logprobs: bool = False
     stream: bool = False  # answer as server-sent chunks (generated to the end first)
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs (vLLM's extra)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
@@ -169,8 +177,8 @@ def _messages(value: Any) -> list[dict]:
         elif msg["content"] is None:
             raise bad_request(f"{where}.content",
                               "an assistant message needs content or tool_calls")
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
+        for key in ("name", "tool_call_id", "reasoning_content"):  # Qwen3's template reads
+            if m.get(key) is not None:                             # reasoning_content
                 if not isinstance(m[key], str):
                     raise bad_request(f"{where}.{key}", "must be a string")
                 msg[key] = m[key]
@@ -273,7 +281,22 @@ def parse_request(body: Any) -> ChatRequest:
         use_tools=tool_choice != "none", temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), max_tokens=max_tokens, stop=stops,
         seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), logprobs=bool(logprobs),
-        stream=stream, include_usage=include_usage)
+        stream=stream, include_usage=include_usage,
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
+
+
+def _template_kwargs(value: Any) -> dict:
+    """``chat_template_kwargs`` (vLLM's extra field, e.g. ``{"enable_thinking": false}``): chat
+    template variables, rendered into the prompt, so they are in the record too."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("chat_template_kwargs", "must be an object of template variables")
+    for key in value:
+        if not isinstance(key, str) or key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs.{key}",
+                              "is set by the endpoint, not by a request")
+    return dict(value)
 
 
 async def read_json(request: Any, max_bytes: int) -> Any:

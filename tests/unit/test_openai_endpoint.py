@@ -248,6 +248,55 @@ def test_a_streamed_call_is_the_same_completion_in_chunks(endpoint, engine, tok)
     assert records[1].logprobs == records[0].logprobs and records[3].tool_calls == []
 
 
+def test_metadata_fields_change_nothing_and_template_kwargs_reach_the_template(endpoint):
+    """Metadata-only fields are accepted and change nothing; ``chat_template_kwargs`` (vLLM's
+    extra: Qwen3's ``enable_thinking``) and an assistant turn's ``reasoning_content`` are
+    rendered, so the record holds the prompt the model saw; ``GET /models/{id}`` answers."""
+    from astralight.tinymodel import CHAT_TEMPLATE
+
+    tok = build_chat_tokenizer()
+    tok.chat_template = (  # Qwen3's two template features, on the tiny chat template
+        CHAT_TEMPLATE.replace("{{ content }}{% for call", "{% if m.reasoning_content %}<think>"
+                              "{{ m.reasoning_content }}</think>{% endif %}{{ content }}"
+                              "{% for call")
+        + "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+          "<think></think>{% endif %}")
+    engine = PromptScriptEngine(calculator, tok, version=3, max_model_len=512)
+    history = MSGS + [{"role": "assistant", "content": "0", "reasoning_content": "hmm"},
+                      {"role": "user", "content": "123+456="}]
+
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=MSGS)
+        client.chat.completions.create(
+            model="policy", messages=MSGS, reasoning_effort="low", verbosity="low",
+            prompt_cache_key="k", safety_identifier="s", store=False)
+        client.chat.completions.create(model="policy", messages=history,
+                                       extra_body={"chat_template_kwargs":
+                                                   {"enable_thinking": False}})
+        refused = []
+        for kwargs, param in ((["x"], "chat_template_kwargs"),
+                              ({"tools": []}, "chat_template_kwargs.tools")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="policy", messages=MSGS,
+                                               extra_body={"chat_template_kwargs": kwargs})
+            refused.append(err.value.body["param"] == param)
+        got = client.models.retrieve("policy")
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve("other")
+        return refused, got.id, err.value.body["param"]
+
+    try:
+        (refused, model, missing), records = in_episode(endpoint, engine, call)
+    finally:
+        engine.close()
+    assert refused == [True, True] and model == "policy" and missing == "model"
+    plain, metadata, thinking = records
+    assert metadata.prompt_ids == plain.prompt_ids  # the metadata changed nothing
+    text = tok.decode(thinking.prompt_ids)
+    assert "<think>hmm</think>0" in text and text.endswith("<|im_start|>assistant\n<think></think>")
+
+
 def test_context_too_long_and_max_calls(endpoint, tok):
     eng = PromptScriptEngine(calculator, tok, max_model_len=40)
 
