@@ -25,18 +25,20 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from astralight.agents.chat import encode, render
 from astralight.agents.token_bound import fewest_tokens, max_chars_per_token
 from astralight.agents.tools import parse_tool_calls, split_at_last_close
-from astralight.engine import SamplingSpec
+from astralight.engine import Completion, SamplingSpec
 from astralight.raas.openai_episodes import CallRecord, Episode
 from astralight.raas.openai_requests import ChatRequest, RequestError, bad_request
 from astralight.workflows.chat_episodes import decode_turn
 
 __all__ = ["complete", "prepare_prompt", "off_loop", "sampling_spec", "split_tool_calls",
+           "split_stops", "cut_at_stop_string",
            "completion_body", "completion_chunks", "sse_events"]
 
 T = TypeVar("T")
@@ -81,6 +83,7 @@ class Prompt:
     room: int | None
     stop_ids: list[int]
     tools: list[dict]
+    stop_strings: list[str] = dataclasses.field(default_factory=list)  # several tokens each
 
 
 async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
@@ -94,6 +97,9 @@ async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
     if completion.finish_reason == "abort":
         raise RequestError(503, None, "the policy engine aborted this call; retry",
                            "engine_aborted", "server_error")
+    if prompt.stop_strings:
+        completion = await off_loop(cut_at_stop_string, engine.tokenizer, completion,
+                                    prompt.stop_strings)
     record = await off_loop(call_record, ep, req, index, prompt, completion, version, spec)
     if not ep.closed:
         ep.calls.append(record)
@@ -127,7 +133,8 @@ def prepare_prompt(ep: Episode, req: ChatRequest) -> Prompt:
         raise bad_request("messages", f"the conversation is {len(ids)} tokens; the policy's "
                           f"context holds {limit} (prompt and completion)",
                           "context_length_exceeded")
-    return Prompt(ids, room, stop_token_ids(tok, req.stop), tools)
+    stop_ids, stop_strings = split_stops(tok, req.stop)
+    return Prompt(ids, room, stop_ids, tools, stop_strings)
 
 
 def render_prompt(tok: Any, messages: list[dict], tools: list[dict], kwargs: dict) -> str:
@@ -166,37 +173,61 @@ def encode_prompt(tok: Any, text: str) -> list[int]:
                           f"({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
-def stop_token_ids(tok: Any, stops: list[str]) -> list[int]:
-    """The token id of each stop string; one that is not exactly one token is a 400 naming
-    ``stop`` (or ``stop[j]``), refused without tokenizing when it is longer than any token."""
+def split_stops(tok: Any, stops: list[str]) -> tuple[list[int], list[str]]:
+    """The request's stop strings that are one token of the policy's tokenizer, as token ids
+    (the engine stops on them), and the others (:func:`cut_at_stop_string` stops on them after
+    generation). A string longer than any token is known to be several without tokenizing."""
     most = max_chars_per_token(tok)
-    out = []
-    for j, stop in enumerate(stops):
-        where = f"stop[{j}]" if len(stops) > 1 else "stop"
-        if most is not None and len(stop) > most:
-            raise bad_request(where, f"{stop[:40]!r} is {len(stop)} characters, longer than any "
-                              f"one token of the policy's tokenizer ({most} at most); only "
-                              "single-token stop sequences are supported")
-        sid = encode_prompt(tok, stop)
-        if len(sid) != 1:
-            raise bad_request(where, f"{stop!r} is {len(sid)} tokens of the policy's tokenizer; "
-                              "only single-token stop sequences are supported")
-        out.append(sid[0])
-    return out
+    ids, strings = [], []
+    for stop in stops:
+        sid = None if most is not None and len(stop) > most else encode_prompt(tok, stop)
+        if sid is not None and len(sid) == 1:
+            ids.append(sid[0])
+        else:
+            strings.append(stop)
+    return ids, strings
+
+
+def cut_at_stop_string(tok: Any, completion: Completion, stops: list[str]) -> Completion:
+    """``completion`` ended at the first stop string its text holds: its tokens up to the one
+    that completes the string, ``finish_reason`` ``"stop_string"`` (unchanged when none
+    occurs). The tokens after it were sampled but never shown to the agent; a prefix of a
+    sampled sequence keeps every token's behaviour log-prob, so the record stays exact."""
+    ids = list(completion.token_ids)
+    text = tok.decode(ids, skip_special_tokens=True)
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return completion
+    end = min(i + len(s) for i, s in hits)
+    lo, hi = 1, len(ids)  # the fewest tokens whose text reaches past the stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tok.decode(ids[:mid], skip_special_tokens=True)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    versions = completion.versions[:lo] if completion.versions is not None else None
+    return Completion(ids[:lo], list(completion.logprobs[:lo]), "stop_string",
+                      version=completion.version, versions=versions)
 
 
 def call_record(ep: Episode, req: ChatRequest, index: int, prompt: Prompt, completion: Any,
                 version: int, spec: SamplingSpec) -> CallRecord:
     """On a worker thread: the completion decoded, its tool calls parsed, as a record (a long
     completion's decoding and parsing stays off the episode's loop too)."""
-    out = decode_turn(ep.engine.tokenizer, completion)
+    if completion.finish_reason == "stop_string":  # the text before the first stop string
+        out = ep.engine.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+        out = out[:min(i for s in prompt.stop_strings if (i := out.find(s)) >= 0)]
+    else:
+        out = decode_turn(ep.engine.tokenizer, completion)
     content, calls, errors = split_tool_calls(out, prompt.tools, ep.id, index)
     return CallRecord(
         index=index, model_id=ep.model_id, prompt_ids=list(prompt.ids),
         completion_ids=[int(t) for t in completion.token_ids],
         logprobs=[float(x) for x in completion.logprobs],
         versions=[int(v) for v in completion.token_versions(version)],
-        finish_reason=completion.finish_reason, version=version, messages=req.messages,
+        finish_reason="stop" if completion.finish_reason == "stop_string" else
+        completion.finish_reason, version=version, messages=req.messages,
         tools=prompt.tools, text=out, content=content, tool_calls=calls,
         tool_call_errors=errors, temperature=float(spec.temperature))
 

@@ -24,8 +24,8 @@ How a request is served:
    its lifetime never touch the RaaS's loop) checks the bearer token and the Origin/Host headers
    (:class:`~astralight.raas.openai_guard.LoopbackGuard`), reads the body up to its size limit
    and validates the JSON (:func:`~astralight.raas.openai_requests.parse_request`): anything the
-   endpoint cannot honour exactly (``n > 1``, penalties, logit bias, multi-token stop
-   strings, ...) is a 400 naming the field, in OpenAI's error layout, never silently ignored;
+   endpoint cannot honour exactly (``n > 1``, penalties, logit bias, ...) is a 400 naming the
+   field, in OpenAI's error layout, never silently ignored;
 2. the call is handed to the episode's loop (:func:`asyncio.run_coroutine_threadsafe`): the RaaS
    runs every workflow on one loop and the engine's callers and its tokenizer live there, exactly
    as for :class:`~astralight.workflows.tool_agent.ToolAgentWorkflow`; there

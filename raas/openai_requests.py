@@ -3,9 +3,11 @@ field into a :class:`ChatRequest` (:func:`parse_request`), and :class:`RequestEr
 in OpenAI's error layout that every route answers with.
 
 ``stream: true`` is honoured (the completion is generated to its end, then sent as chunks:
-nothing about the sampling changes). Anything the endpoint cannot honour exactly (``n > 1``,
-penalties, logit bias, ``response_format`` other than text, top log-probs, images...) is a 400
-naming the field, never
+nothing about the sampling changes), and so are stop strings of several tokens (generation
+runs on to its end, and the completion is cut after the first:
+:func:`~astralight.raas.openai_completions.cut_at_stop_string`).
+Anything the endpoint cannot honour exactly (``n > 1``, penalties, logit bias,
+``response_format`` other than text, top log-probs, images...) is a 400 naming the field, never
 silently ignored: the trainer corrects for the behaviour log-probs of what was sampled, so a
 request option that changed the sampling without being recorded would bias training.
 """
@@ -27,8 +29,10 @@ MAX_BODY_BYTES = 8 << 20
 #: most messages / tools in one request
 MAX_MESSAGES = 4096
 MAX_TOOLS = 256
-#: OpenAI accepts at most four stop sequences
+#: OpenAI accepts at most four stop sequences; each at most this long here (a bound on the work
+#: of finding one in a completion)
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: request fields that change nothing here (metadata for OpenAI's own bookkeeping)
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier",
@@ -273,6 +277,10 @@ def parse_request(body: Any) -> ChatRequest:
         raise bad_request("stop", "must be a string or a list of strings")
     if len(stops) > MAX_STOP or any(not s for s in stops):
         raise bad_request("stop", f"at most {MAX_STOP} non-empty strings")
+    for j, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"stop[{j}]" if len(stops) > 1 else "stop",
+                              f"is {len(s)} characters; at most {MAX_STOP_CHARS}")
     max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 1 << 30)

@@ -119,7 +119,8 @@ def test_token_is_required(endpoint, engine):
     ({"stream": True, "stream_options": {"chunk_size": 4}}, "stream_options.chunk_size"),
     ({"temperature": 5.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
-    ({"stop": ["ab"]}, "stop"),
+    ({"stop": ["a" * 1001]}, "stop"),
+    ({"stop": ["ok", "b" * 1001]}, "stop[1]"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"extra_body": {"best_of": 3}}, "best_of"),
     ({"messages": []}, "messages"),
@@ -669,24 +670,39 @@ def test_a_conversation_too_long_to_fit_is_refused_before_it_is_tokenized(endpoi
     assert len(records) == 1 and records[0].prompt_ids == encode(tok, render(tok, MSGS, None, True))
 
 
-def test_a_stop_longer_than_any_token_is_refused_before_it_is_tokenized(endpoint, tok):
-    """A stop string must be one token; one longer than any token is refused without encoding
-    it (a 1 MB stop string used to be tokenized on the loop)."""
+def test_a_stop_string_of_several_tokens_cuts_the_completion_after_it(endpoint, tok):
+    """A stop string the engine cannot stop on (several tokens) ends the call where it first
+    occurs: the agent gets the text before it, the record the tokens up to the one completing
+    it, with their exact log-probs; a 100,000-character one is refused untokenized."""
     wtok = WatchedTokenizer(tok)
-    eng = PromptScriptEngine(calculator, wtok, max_model_len=512)
+    eng = PromptScriptEngine(lambda prompt, k: "Let me add.\nObservation: 579 done", wtok,
+                             max_model_len=512, logprob=-0.25)
 
     def call(base_url, key):
         client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        cut = client.chat.completions.create(model="policy", messages=MSGS,
+                                             stop=["\nObservation:", "never"])
+        whole = client.chat.completions.create(model="policy", messages=MSGS, stop="never")
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="policy", messages=MSGS, stop="y" * 100_000)
-        return err.value.body
+        return cut, whole, err.value.body
 
     try:
-        body, records = in_episode(endpoint, eng, call)
+        (cut, whole, body), records = in_episode(endpoint, eng, call)
     finally:
         eng.close()
-    assert body["param"] == "stop" and "longer than any" in body["message"]
-    assert 100_000 not in wtok.encoded and records == []
+    assert cut.choices[0].message.content == "Let me add."
+    assert cut.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.content == "Let me add.\nObservation: 579 done"
+    r_cut, r_whole = records
+    n = len(r_cut.completion_ids)
+    assert r_cut.completion_ids == r_whole.completion_ids[:n] and n < len(r_whole.completion_ids)
+    assert tok.decode(r_cut.completion_ids).endswith("\nObservation:")  # up to the stop's end
+    assert not tok.decode(r_cut.completion_ids[:-1]).endswith("\nObservation:")
+    assert r_cut.logprobs == [-0.25] * n and r_cut.versions == r_whole.versions[:n]
+    assert r_cut.finish_reason == "stop" and cut.usage.completion_tokens == n
+    assert body["param"] == "stop" and "at most 1000" in body["message"]
+    assert 100_000 not in wtok.encoded and len(records) == 2
 
 
 #: a lone UTF-16 surrogate as the JSON escape a client can send (json.dumps never writes one)
