@@ -228,8 +228,9 @@ class Supervisor:
         used = self.restarts[name]
         if rc == EXIT_USAGE:
             raise GiveUp(name, rc, used, f"{name} exited with {rc}, a usage or config error (a "
-                                         "bad option or key, a missing file): a restart would "
-                                         f"fail the same way, so none is made. Its log:\n"
+                                         "bad option or key, a missing file, a broken workflow "
+                                         "or agent): a restart would fail the same way, so "
+                                         f"none is made. Its log:\n"
                                          f"{comp.tail()}")
         if self.settings is None:
             raise GiveUp(name, rc, used, f"{name} exited with {rc} (recipe.supervise is off):\n"

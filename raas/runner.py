@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astralight.raas.membership import RUN_CHANGED_EXIT, _field, _status, refused_secret
-from astralight.workflows.base import as_episode_runner
+from astralight.supervise import EXIT_USAGE
+from astralight.workflows.base import BrokenWorkflowError, as_episode_runner
 
 log = logging.getLogger("astralight.raas")
 
@@ -387,6 +388,13 @@ class EpisodeRunner:
             return
         try:
             samples = await self.workflow.run(task, svc.engines)
+        except BrokenWorkflowError as exc:  # every episode fails alike: nothing to train on
+            svc.counters.add(workflow_errors=1)
+            svc.say(f"raas exiting {EXIT_USAGE}: the workflow is broken: {exc}")
+            await self._return(task, run, True, "the workflow is broken")
+            self.exit_code = EXIT_USAGE
+            svc.stop_event.set()
+            return
         except Exception:
             svc.counters.add(workflow_errors=1)
             log.exception("workflow failed on task %s; returned to the dataflow as failed",

@@ -28,6 +28,7 @@ from astralight.raas.membership import (HARD_STOP_CALLS_S, HARD_STOP_EXIT, RUN_C
                                         TAKEN_OVER_EXIT, Membership)
 from astralight.raas.runner import Counters, EpisodeRunner
 from astralight.raas.weight_sync import WeightSync
+from astralight.supervise import EXIT_USAGE
 
 log = logging.getLogger("astralight.raas")
 
@@ -112,7 +113,9 @@ class RaaSService(Membership):
         pool), 1 when the dataflow was given up on, ``HARD_STOP_EXIT`` after a hard stop,
         ``TAKEN_OVER_EXIT`` when another process took the instance id over (nothing more is
         sent as it), ``RUN_CHANGED_EXIT`` when a new run of the dataflow needs the initial model
-        back (the instance leaves the new run's pool first)."""
+        back (the instance leaves the new run's pool first), ``EXIT_USAGE`` (2) when the
+        workflow is broken (:class:`~astralight.workflows.base.BrokenWorkflowError`; it leaves
+        the pool: a restart would fail the same way)."""
         code = asyncio.run(self.runner.serve())
         self.stop_event.set()
         if self._hard_stop.is_set():  # its own thread returns the tasks, deregisters and exits
@@ -122,7 +125,7 @@ class RaaSService(Membership):
         self._stop_drain_threads()  # the drain is over: its timeout must not fire in the goodbye
         if self.taken_over:
             code = TAKEN_OVER_EXIT
-        elif code in (0, RUN_CHANGED_EXIT):  # (a dataflow given up on would not answer)
+        elif code in (0, RUN_CHANGED_EXIT, EXIT_USAGE):  # (a dataflow given up on would not answer)
             self.leave()
         self.maybe_progress(force=True)
         return code

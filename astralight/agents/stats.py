@@ -1,7 +1,8 @@
 """Agent episode counts: tool calls and failed calls by kind, read from sample metadata.
 
 The tool workflows write ``tool_calls`` (calls run) and ``tool_errors`` (``{kind: n}`` over
-:data:`ERROR_KINDS`) into every sample's metadata. The dataflow counts them per policy version
+:data:`ERROR_KINDS`) into every sample's metadata, and ``end``: an episode whose agent raised or
+timed out (:data:`FAILURE_KINDS`) is counted as failed. The dataflow counts them per policy version
 (:func:`episode_counts`, shown in the balance report's ``agent`` section) and the trainer logs
 their batch means as ``agent/*`` TensorBoard scalars (:func:`batch_scalars`). Pure Python, so the
 dataflow can import it without the agent dependencies.
@@ -15,9 +16,14 @@ from typing import Iterable
 #: every kind of failed tool call, counted per episode and reported
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout")
 
+#: how an episode's agent failed (metadata ``end``; the openai_agent workflow scores such an
+#: episode ``failed_reward`` on the calls it made)
+FAILURE_KINDS = ("error", "timeout")
+
 #: the dataflow's per-version counters these counts go to
 COUNTER_NAMES = ("agent_episodes", "tool_episodes", "tool_calls",
-                 *(f"tool_errors_{k}" for k in ERROR_KINDS))
+                 *(f"tool_errors_{k}" for k in ERROR_KINDS),
+                 *(f"agent_failed_{k}" for k in FAILURE_KINDS))
 
 
 @dataclass
@@ -67,6 +73,8 @@ def episode_counts(metadata: dict | None) -> dict[str, int]:
         errors = {}
     for kind in ERROR_KINDS:
         out[f"tool_errors_{kind}"] = _count(errors.get(kind, 0)) or 0
+    for kind in FAILURE_KINDS:
+        out[f"agent_failed_{kind}"] = int(metadata.get("end") == kind)
     return out
 
 
@@ -79,7 +87,8 @@ def window_section(sums: dict[str, int]) -> dict | None:
     return {"episodes": episodes,
             "tool_call_rate": round(sums.get("tool_episodes", 0) / episodes, 4),
             "tool_calls_per_episode": round(calls / episodes, 4),
-            "tool_errors": {k: int(sums.get(f"tool_errors_{k}", 0)) for k in ERROR_KINDS}}
+            "tool_errors": {k: int(sums.get(f"tool_errors_{k}", 0)) for k in ERROR_KINDS},
+            "agents_failed": {k: int(sums.get(f"agent_failed_{k}", 0)) for k in FAILURE_KINDS}}
 
 
 def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
@@ -96,4 +105,6 @@ def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
            "turns": sum(r["turns"] for r in rows) / n}
     for kind in ERROR_KINDS:
         out[f"tool_errors/{kind}"] = sum(r[f"tool_errors_{kind}"] for r in rows) / n
+    for kind in FAILURE_KINDS:
+        out[f"agent_failed/{kind}"] = sum(r[f"agent_failed_{kind}"] for r in rows) / n
     return out

@@ -21,6 +21,12 @@ from astralight.protocol import Sample, Task
 log = logging.getLogger(__name__)
 
 
+class BrokenWorkflowError(RuntimeError):
+    """Raised by a workflow's ``run`` when every episode fails the same way, so the fault is in
+    the workflow or the user's code, not in the policy: the RaaS stops with the message and
+    exit status 2 (a config error: the launcher does not restart it, and shows the line)."""
+
+
 class Workflow:
     """Base class. ``name`` is matched against ``Task.workflow`` by the service.
 

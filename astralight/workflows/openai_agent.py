@@ -63,7 +63,7 @@ from astralight.agents.stats import ERROR_KINDS
 from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
 from astralight.rewards.base import Reward
-from astralight.workflows.base import Workflow, blocking, episode_jobs
+from astralight.workflows.base import BrokenWorkflowError, Workflow, blocking, episode_jobs
 from astralight.workflows.chat_episodes import task_messages
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,7 @@ class EpisodeResult:
     answer: str = ""
     reward: float = 0.0
     end: str = "answer"  # answer | error | timeout | no_calls
+    error: str = ""  # how the agent failed: "ExceptionType: message" (error), or "timeout"
 
 
 class OpenAIAgentWorkflow(Workflow):
@@ -192,6 +193,13 @@ class OpenAIAgentWorkflow(Workflow):
         max_parallel_agents: agents running at once (each on a daemon thread of its own); the
             episodes beyond wait for a slot before their timeout starts.
         agent_kwargs: extra keyword arguments for every agent call (its configuration).
+        failed_reward: the reward of an episode whose agent raised or timed out, given to the
+            calls it made (a misspelt tool, ``MaxTurnsExceeded``, a context overflow are the
+            policy's failures too; eval accuracy counts them as wrong). None: no sample, as for
+            an episode that made no call.
+        fail_fast: when the first ``fail_fast`` episodes all raise the same error (type and
+            message), the agent is broken, not the policy: the RaaS stops the run naming the
+            error (exit 2, not restarted). 0: never.
         role: the samples' role tag.
         endpoint: the :class:`~astralight.raas.openai_endpoint.OpenAIEndpoint` to serve through
             (default: the process's shared one, started on first use).
@@ -205,6 +213,7 @@ class OpenAIAgentWorkflow(Workflow):
                  max_context_tokens: int | None = None, system_prompt: str = "",
                  chat_template_kwargs: dict | None = None, merge: bool = True,
                  max_parallel_agents: int = 128, agent_kwargs: dict | None = None,
+                 failed_reward: float | None = 0.0, fail_fast: int = 8,
                  role: str = "", endpoint: Any = None):
         if not callable(reward):
             raise TypeError(f"reward: expected a Reward, got {type(reward).__name__}")
@@ -216,6 +225,8 @@ class OpenAIAgentWorkflow(Workflow):
             raise ValueError(f"max_context_tokens: must be >= 2 or None, got {max_context_tokens}")
         if max_parallel_agents < 1:
             raise ValueError(f"max_parallel_agents: must be >= 1, got {max_parallel_agents}")
+        if isinstance(fail_fast, bool) or not isinstance(fail_fast, int) or fail_fast < 0:
+            raise ValueError(f"fail_fast: episodes (an int >= 0; 0 never), got {fail_fast!r}")
         self.agent = load_agent(agent)
         self.agent_kwargs = dict(agent_kwargs or {})
         try:
@@ -239,6 +250,9 @@ class OpenAIAgentWorkflow(Workflow):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.merge = bool(merge)
         self.max_parallel_agents = int(max_parallel_agents)
+        self.failed_reward = None if failed_reward is None else float(failed_reward)
+        self.fail_fast = fail_fast
+        self._first_ends: list[str] = []  # how the first fail_fast episodes ended ("" = answered)
         self.role = role
         self.endpoint = endpoint
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> Semaphore
@@ -300,11 +314,28 @@ class OpenAIAgentWorkflow(Workflow):
         messages = task_messages(task, self.system_prompt)
         played = await gather_all(*(self.play(task, messages, engine, model_id, g)
                                     for model_id, engine, g in jobs))
+        self.check_broken(task, played)
         samples: list[Sample] = []
         for (model_id, _, g), ep in zip(jobs, played):
             samples += self.episode_samples(task, model_id, g, ep, len(samples))
         self.stats["samples"] += len(samples)
         return samples
+
+    def check_broken(self, task: Task, played: list[EpisodeResult]) -> None:
+        """Raise :class:`~astralight.workflows.base.BrokenWorkflowError` once the first
+        ``fail_fast`` episodes all raised the same error."""
+        if not self.fail_fast or len(self._first_ends) >= self.fail_fast:
+            return
+        for ep in played:
+            if len(self._first_ends) < self.fail_fast:
+                self._first_ends.append(ep.error if ep.end == "error" else "")
+        ends = self._first_ends
+        if len(ends) == self.fail_fast and ends[0] and all(e == ends[0] for e in ends):
+            raise BrokenWorkflowError(
+                f"the agent raised the same error in each of its first {self.fail_fast} "
+                f"episodes (the last on task {task.task_id}): {ends[0][:500]}; fix the agent "
+                "(run it once by hand against any OpenAI endpoint), or set the workflow's "
+                "fail_fast: 0 to keep going")
 
     async def play(self, task: Task, messages: list[dict], engine: Any, model_id: str,
                    slot: int) -> EpisodeResult:
@@ -335,27 +366,29 @@ class OpenAIAgentWorkflow(Workflow):
         ep = endpoint.open_episode(engine, model_id, settings)
         call = functools.partial(self._call_agent, view, endpoint.base_url(ep.id),
                                  endpoint.token, model_id)
-        end, value = "answer", None
+        end, value, error = "answer", None, ""
         try:
             value = await asyncio.wait_for(
                 self._on_thread(call, f"openai-agent-{task.task_id}-{slot}"), self.timeout_s)
         except asyncio.TimeoutError:
-            end = "timeout"
+            end, error = "timeout", "timeout"
             self.stats["agent_timeouts"] += 1
             log.warning("task %s episode %d: the agent did not finish in timeout_s=%g s; no "
                         "sample (%d timeouts so far)", task.task_id, slot, self.timeout_s,
                         self.stats["agent_timeouts"])
         except Exception as exc:  # noqa: BLE001 - the user's agent failed: counted, not fatal
-            end = "error"
+            end, error = "error", f"{type(exc).__name__}: {exc}"
             self.stats["agent_errors"] += 1
-            log.warning("task %s episode %d: the agent raised %s: %s; no sample (%d agent "
-                        "errors so far)", task.task_id, slot, type(exc).__name__, exc,
+            log.warning("task %s episode %d: the agent raised %s: %s (%d agent errors so far)",
+                        task.task_id, slot, type(exc).__name__, exc,
                         self.stats["agent_errors"], exc_info=self.stats["agent_errors"] == 1)
         finally:
             calls = endpoint.close_episode(ep.id)
         self.stats["calls"] += len(calls)
-        result = EpisodeResult(calls=calls, end=end)
-        if end != "answer":
+        result = EpisodeResult(calls=calls, end=end, error=error)
+        if end != "answer":  # scored failed_reward on the calls it made (None: no sample)
+            if self.failed_reward is not None:
+                result.reward = self.failed_reward
             return result
         if not calls:
             result.end = "no_calls"
@@ -369,8 +402,10 @@ class OpenAIAgentWorkflow(Workflow):
 
     def episode_samples(self, task: Task, model_id: str, slot: int, ep: EpisodeResult,
                         first_index: int) -> list[Sample]:
-        """The samples of one finished episode (none for a failed one)."""
-        if ep.end != "answer":
+        """The samples of one episode: none when it made no call, or when its agent failed
+        and ``failed_reward`` is None."""
+        if ep.end == "no_calls" or not ep.calls or (ep.end != "answer"
+                                                    and self.failed_reward is None):
             return []
         segments = merge_calls(ep.calls, self.merge)
         self.stats["merged_calls"] += len(ep.calls) - len(segments)
@@ -383,6 +418,7 @@ class OpenAIAgentWorkflow(Workflow):
                 errors[kind] = errors.get(kind, 0) + count
         meta = {"episode": slot, "segments": len(segments), "turns": len(ep.calls),
                 "end": ep.end, "answer": ep.answer[:MAX_ANSWER_CHARS],
+                "agent_error": ep.error[:MAX_ANSWER_CHARS],
                 "tool_calls": sum(len(r.tool_calls) for r in ep.calls), "tool_errors": errors}
         out = []
         for j, seg in enumerate(segments):

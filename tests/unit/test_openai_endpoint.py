@@ -445,6 +445,59 @@ def test_failing_and_timed_out_agents_give_no_samples(endpoint, engine):
     assert SLOW_SEEN == ["404"]
 
 
+def called_then_broke(task, base_url, api_key, model):
+    """One call, then a failure of the agent's own (a misspelt tool, MaxTurnsExceeded...)."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model=model, messages=task["messages"])
+    raise RuntimeError("max turns exceeded")
+
+
+def test_a_failed_agent_is_scored_on_the_calls_it_made(endpoint, engine):
+    """failed_reward (default 0): an agent that raised after calling the model leaves samples
+    of those calls with that reward, marked as failed and counted; None drops them."""
+    from astralight.agents.stats import batch_scalars, episode_counts, window_section
+
+    wf = OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), endpoint=endpoint)
+    samples = run_tasks(wf, [_task(n=2), _task("t1", n=1, kind="eval")], {"policy": engine})
+    train, (ev,) = samples["t0"], samples["t1"]
+    assert len(train) == 2 and all(s.reward == 0.0 for s in train)
+    assert all(s.metadata["end"] == "error" for s in train + [ev])
+    assert train[0].metadata["agent_error"] == "RuntimeError: max turns exceeded"
+    assert ev.reward == 0.0  # eval accuracy counts the failure as wrong
+    assert train[0].loss_mask.any() and wf.stats["agent_errors"] == 3
+    counts = episode_counts(train[0].metadata)
+    assert counts["agent_failed_error"] == 1 and counts["agent_failed_timeout"] == 0
+    assert window_section(counts)["agents_failed"] == {"error": 1, "timeout": 0}
+    assert batch_scalars([s.metadata for s in train])["agent_failed/error"] == 1.0
+    dropped = OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), endpoint=endpoint,
+                                  failed_reward=None)
+    assert run_tasks(dropped, [_task(n=2)], {"policy": engine})["t0"] == []
+    ok = run_tasks(OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward(),
+                                       endpoint=endpoint), [_task(n=1)], {"policy": engine})
+    assert episode_counts(ok["t0"][0].metadata)["agent_failed_error"] == 0
+
+
+def test_an_agent_failing_alike_from_the_start_is_broken_not_the_policy(endpoint, engine):
+    from astralight.workflows.base import BrokenWorkflowError
+
+    wf = OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), endpoint=endpoint,
+                             fail_fast=3)
+    run_tasks(wf, [_task(n=2)], {"policy": engine})  # 2 of the first 3: not yet
+    with pytest.raises(BrokenWorkflowError, match=r"first 3 episodes.*RuntimeError: max turns "
+                                                  r"exceeded.*fail_fast: 0"):
+        run_tasks(wf, [_task(n=2)], {"policy": engine})
+    mixed = OpenAIAgentWorkflow(failing_agent, ExactMatchReward(), endpoint=endpoint,
+                                fail_fast=2)  # episode 0 raises, episode 1 answers
+    run_tasks(mixed, [_task(n=2), _task(n=2)], {"policy": engine})
+    never = OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), endpoint=endpoint,
+                                fail_fast=0)
+    run_tasks(never, [_task(n=4)], {"policy": engine})
+    assert never.stats["agent_errors"] == 4
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="fail_fast"):
+            OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), fail_fast=bad)
+
+
 def test_agent_signature_is_checked():
     with pytest.raises(ValueError, match="agent:"):
         OpenAIAgentWorkflow(lambda task: "x", ExactMatchReward())

@@ -355,6 +355,30 @@ def test_samples_of_another_task_fail_the_task():
     assert svc.counters.workflow_errors == 1
 
 
+def test_a_broken_workflow_stops_the_raas_with_exit_2_naming_it():
+    """A workflow that raises BrokenWorkflowError (every episode fails alike) stops the RaaS:
+    one line naming it, the task returned as failed, exit 2 (the launcher restarts nothing)."""
+    from astralight.workflows.base import BrokenWorkflowError
+
+    class Broken(SingleTurnWorkflow):
+        async def run(self, task, engines):
+            raise BrokenWorkflowError("the agent raised KeyError: 'answer' in every episode")
+
+    flow = FakeDataflow([_task(i) for i in range(50)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.config.workflow = Broken(ExactMatchReward())
+    svc.runner = type(svc.runner)(svc)
+    svc.start()
+    try:
+        assert svc.serve() == 2
+    finally:
+        svc.close()
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("raas exiting 2"))
+    assert "the workflow is broken" in line and "KeyError: 'answer'" in line
+    assert ("t0", True) in flow.returned and flow.pushed == {}
+    assert len(flow.leased) < 50  # it stopped leasing
+
+
 def test_a_weight_version_lands_between_batches_while_episodes_run():
     engine = ScriptedEngine(build_tokenizer(), ["82"], version=1)
     first = engine.generate_batch([[5, 6]], SamplingSpec(max_tokens=4))
