@@ -7,6 +7,8 @@ workflow that needs it. It serves, per *episode*, the routes an ``openai.OpenAI(
 client calls:
 
 - ``POST /v1/episodes/{episode_id}/chat/completions`` -- an OpenAI ChatCompletion;
+- ``POST /v1/episodes/{episode_id}/responses`` -- the Responses API, on the same recorder
+  (:mod:`~astralight.raas.openai_responses`);
 - ``GET /v1/episodes/{episode_id}/models`` -- the episode's one model (its policy's model_id);
   ``.../models/{model}`` retrieves it.
 
@@ -76,6 +78,7 @@ from astralight.raas.openai_episodes import CallRecord, Episode, EpisodeSettings
 from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_digest
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
                                              bad_request, parse_request, read_json)
+from astralight.raas.openai_responses import chat_body, response_body
 
 __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "CallRecord",
            "ChatRequest", "RequestError", "parse_request", "MAX_BODY_BYTES"]
@@ -237,6 +240,24 @@ class OpenAIEndpoint:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
+        @app.post("/v1/episodes/{episode_id}/responses")
+        async def responses(episode_id: str, request: Request):
+            try:
+                ep = self._episode(episode_id)
+                raw = await read_json(request, self.max_body_bytes)
+                chat = chat_body(raw, ep)
+                try:
+                    req = parse_request(chat)
+                except RequestError as exc:  # named as the Responses request names it
+                    if exc.param == "max_completion_tokens":
+                        exc.param = "max_output_tokens"
+                    raise
+                record = await self._record(ep, req)
+                return JSONResponse(await asyncio.to_thread(response_body, ep, record, raw, chat,
+                                                            req.logprobs))
+            except RequestError as exc:
+                return error(exc)
+
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def unknown(path: str):
             return error(RequestError(404, "path", f"path: /{path} is not served here; use "
@@ -246,6 +267,12 @@ class OpenAIEndpoint:
 
     async def _serve(self, ep: Episode, req: ChatRequest) -> dict:
         """Admit the call, run it on the episode's loop, answer a ChatCompletion."""
+        record = await self._record(ep, req)
+        # off this server's loop: with logprobs, every token is decoded on its own
+        return await asyncio.to_thread(completion_body, ep, record, req.logprobs)
+
+    async def _record(self, ep: Episode, req: ChatRequest) -> CallRecord:
+        """Admit the call and run it on the episode's loop; its record."""
         if req.model != ep.model_id:
             raise RequestError(404, "model", f"model: {req.model!r} is not served to this "
                                f"episode; use {ep.model_id!r} (the model argument the agent was "
@@ -281,8 +308,7 @@ class OpenAIEndpoint:
             with self._lock:
                 ep.pending.discard(fut)
         self._count("calls")
-        # off this server's loop: with logprobs, every token is decoded on its own
-        return await asyncio.to_thread(completion_body, ep, record, req.logprobs)
+        return record
 
     def _count(self, name: str) -> None:
         """Add one to ``counters[name]`` (from the HTTP thread or the guard)."""

@@ -82,3 +82,5 @@ class Episode:
         self.refused = 0  # calls answered with an error
         self.closed = False
         self.pending: set[concurrent.futures.Future] = set()
+        #: Responses API ids -> their conversation (input and output), for previous_response_id
+        self.responses: dict[str, list[dict]] = {}

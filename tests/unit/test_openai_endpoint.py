@@ -298,6 +298,62 @@ def test_metadata_fields_change_nothing_and_template_kwargs_reach_the_template(e
     assert "<think>hmm</think>0" in text and text.endswith("<|im_start|>assistant\n<think></think>")
 
 
+#: the example's tool in the Responses API's flat form
+RESPONSES_TOOLS = [{"type": "function", **EXAMPLE.TOOLS[0]["function"]}]
+
+
+def test_the_responses_api_is_served_by_the_same_recorder(endpoint, engine, tok):
+    """``client.responses.create`` (the Agents SDK's default): instructions and input become
+    the chat conversation, a tool call a function_call item, its output continues the
+    conversation by previous_response_id, and the two calls merge into one masked sample as
+    chat completions do."""
+    def call(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        first = client.responses.create(model="policy", instructions=MSGS[0]["content"],
+                                        input="123+456=", tools=RESPONSES_TOOLS, store=False,
+                                        include=["message.output_text.logprobs"])
+        [fc] = [o for o in first.output if o.type == "function_call"]
+        second = client.responses.create(
+            model="policy", instructions=MSGS[0]["content"], previous_response_id=first.id,
+            tools=RESPONSES_TOOLS, max_output_tokens=8,
+            input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "579"}])
+        refused = {}
+        for name, kwargs in (("stream", {"stream": True}),
+                             ("previous_response_id", {"previous_response_id": "resp_nope"}),
+                             ("input[0].type", {"input": [{"type": "web_search_call"}]}),
+                             ("tools[0]", {"tools": [{"type": "web_search"}]}),
+                             ("max_output_tokens", {"max_output_tokens": 0})):
+            args = {"model": "policy", "input": "hi", **kwargs}
+            try:
+                client.responses.create(**args)
+            except openai.APIStatusError as exc:
+                refused[name] = (exc.status_code, exc.body["param"])
+        return first, second, fc, refused
+
+    (first, second, fc, refused), records = in_episode(endpoint, engine, call)
+    assert first.status == "completed" and first.output_text == "Let me add."
+    assert fc.name == "add" and json.loads(fc.arguments) == {"a": 123, "b": 456}
+    assert fc.call_id == records[0].tool_calls[0]["id"]
+    [msg] = [o for o in first.output if o.type == "message"]
+    assert [lp.logprob for lp in msg.content[0].logprobs] == [-0.5] * len(
+        records[0].completion_ids)
+    assert second.output_text == "579" and second.usage.output_tokens == len(
+        records[1].completion_ids)
+    assert refused == {"stream": (400, "stream"),
+                       "previous_response_id": (404, "previous_response_id"),
+                       "input[0].type": (400, "input[0].type"), "tools[0]": (400, "tools[0]"),
+                       "max_output_tokens": (400, "max_output_tokens")}
+    # the same prompts the chat route renders for the same conversation
+    r0, r1 = records
+    assert r0.prompt_ids == encode(tok, render(tok, MSGS, EXAMPLE.TOOLS, True))
+    follow = MSGS + [{"role": "assistant", "content": "Let me add.",
+                      "tool_calls": r0.tool_calls},
+                     {"role": "tool", "tool_call_id": fc.call_id, "content": "579"}]
+    assert r1.prompt_ids == encode(tok, render(tok, follow, EXAMPLE.TOOLS, True))
+    [seg] = merge_calls(records)  # one sample, the tool result masked
+    assert seg.token_ids[:len(r1.prompt_ids)] == r1.prompt_ids
+
+
 def test_context_too_long_and_max_calls(endpoint, tok):
     eng = PromptScriptEngine(calculator, tok, max_model_len=40)
 
