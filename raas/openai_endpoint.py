@@ -9,6 +9,8 @@ client calls:
 - ``POST /v1/episodes/{episode_id}/chat/completions`` -- an OpenAI ChatCompletion;
 - ``POST /v1/episodes/{episode_id}/responses`` -- the Responses API, on the same recorder
   (:mod:`~astralight.raas.openai_responses`);
+- ``POST /v1/episodes/{episode_id}/v1/messages`` (and ``.../messages``) -- the Anthropic
+  Messages API, on the same recorder (:mod:`~astralight.raas.anthropic_messages`);
 - ``GET /v1/episodes/{episode_id}/models`` -- the episode's one model (its policy's model_id);
   ``.../models/{model}`` retrieves it.
 
@@ -78,6 +80,8 @@ from astralight.raas.openai_episodes import CallRecord, Episode, EpisodeSettings
 from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_digest
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
                                              bad_request, parse_request, read_json)
+from astralight.raas.anthropic_messages import chat_body as anthropic_chat_body
+from astralight.raas.anthropic_messages import message_body
 from astralight.raas.openai_responses import chat_body, response_body
 
 __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "CallRecord",
@@ -257,6 +261,22 @@ class OpenAIEndpoint:
                                                             req.logprobs))
             except RequestError as exc:
                 return error(exc)
+
+        async def messages(episode_id: str, request: Request):
+            try:
+                ep = self._episode(episode_id)
+                req = parse_request(anthropic_chat_body(await read_json(request,
+                                                                        self.max_body_bytes)))
+                record = await self._record(ep, req)
+                return JSONResponse(await asyncio.to_thread(message_body, ep, record))
+            except RequestError as exc:
+                if exc.param == "max_completion_tokens":  # named as the Messages API names it
+                    exc.param = "max_tokens"
+                return error(exc)
+
+        # the anthropic SDK appends /v1/messages to its base_url
+        for path in ("/v1/episodes/{episode_id}/v1/messages", "/v1/episodes/{episode_id}/messages"):
+            app.add_api_route(path, messages, methods=["POST"])
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def unknown(path: str):

@@ -1,5 +1,6 @@
 """The OpenAI endpoint's front door: an ASGI middleware that lets through only loopback,
-non-browser requests carrying the process's bearer token (astralight/ARCHITECTURE.md rule 4).
+non-browser requests carrying the process's bearer token (astralight/ARCHITECTURE.md rule 4), or
+the same key in ``x-api-key`` (the anthropic SDK's header).
 
 The token is compared in constant time over SHA-256 digests (:func:`bearer_digest`), so neither
 its length nor a matching prefix shows in the response time. A request with an ``Origin`` header
@@ -52,6 +53,9 @@ class LoopbackGuard:
         headers = dict(scope["headers"])
         self.count("requests")
         auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        api_keys = [v for k, v in scope["headers"] if k == b"x-api-key"]
+        if not auth and len(api_keys) == 1:  # the anthropic SDK's header: the same key
+            auth = [b"Bearer " + api_keys[0]]
         got = hashlib.sha256(auth[0] if len(auth) == 1 else b"").digest()
         hosts = [v for k, v in scope["headers"] if k == b"host"]
         host = (hosts[0] if hosts else b"").decode("latin-1").rsplit(":", 1)[0].strip("[]")

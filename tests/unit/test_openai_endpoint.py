@@ -354,6 +354,57 @@ def test_the_responses_api_is_served_by_the_same_recorder(endpoint, engine, tok)
     assert seg.token_ids[:len(r1.prompt_ids)] == r1.prompt_ids
 
 
+#: the example's tool as the Anthropic Messages API declares it
+ANTHROPIC_TOOLS = [{"name": "add", "description": EXAMPLE.TOOLS[0]["function"]["description"],
+                    "input_schema": EXAMPLE.TOOLS[0]["function"]["parameters"]}]
+
+
+def test_the_anthropic_messages_api_is_served_by_the_same_recorder(endpoint, engine, tok):
+    """The ``anthropic`` SDK (its ``x-api-key`` header, its ``/v1/messages`` path): tool_use
+    blocks out, tool_result blocks back, recorded as chat completions are, merged into one
+    sample."""
+    import anthropic
+
+    def call(base_url, key):
+        client = anthropic.Anthropic(base_url=base_url, api_key=key, max_retries=0)
+        first = client.messages.create(model="policy", max_tokens=64,
+                                       system=MSGS[0]["content"], tools=ANTHROPIC_TOOLS,
+                                       messages=[{"role": "user", "content": "123+456="}])
+        [use] = [b for b in first.content if b.type == "tool_use"]
+        history = [{"role": "user", "content": "123+456="},
+                   {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": "579"}]}]
+        second = client.messages.create(model="policy", max_tokens=8, tools=ANTHROPIC_TOOLS,
+                                        system=MSGS[0]["content"], messages=history)
+        refused = {}
+        for name, kwargs in (("max_tokens", {"max_tokens": 0}), ("top_k", {"extra_body": {"top_k": 5}}),
+                             ("tool_choice", {"tool_choice": {"type": "any"}}),
+                             ("stream", {"stream": True})):
+            args = {"model": "policy", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}], **kwargs}
+            try:
+                client.messages.create(**args)
+            except anthropic.APIStatusError as exc:
+                refused[name] = (exc.status_code, exc.body["error"]["param"])
+        bad_key = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            bad_key.messages.create(model="policy", max_tokens=8,
+                                    messages=[{"role": "user", "content": "hi"}])
+        return first, use, second, refused
+
+    (first, use, second, refused), records = in_episode(endpoint, engine, call)
+    assert first.stop_reason == "tool_use" and first.content[0].text == "Let me add."
+    assert use.name == "add" and use.input == {"a": 123, "b": 456}
+    assert second.stop_reason == "end_turn" and second.content[0].text == "579"
+    assert second.usage.output_tokens == len(records[1].completion_ids)
+    assert refused == {k: (400, k) for k in ("max_tokens", "top_k", "tool_choice", "stream")}
+    r0, r1 = records
+    assert r0.prompt_ids == encode(tok, render(tok, MSGS, EXAMPLE.TOOLS, True))
+    [seg] = merge_calls(records)  # the tool result masked between the two turns
+    assert seg.token_ids[:len(r1.prompt_ids)] == r1.prompt_ids
+
+
 def test_context_too_long_and_max_calls(endpoint, tok):
     eng = PromptScriptEngine(calculator, tok, max_model_len=40)
 
