@@ -7,7 +7,8 @@ message, ``text`` blocks content, ``tool_use`` blocks an assistant turn's tool c
 stops), validated by the chat request's own checks, served by the same call, and answered as a
 ``message`` (:func:`message_body`: text and ``tool_use`` blocks, ``stop_reason``). One record
 and one token stream serve every dialect. The SDK's ``x-api-key`` header carries the same key as
-the bearer token. ``stream: true`` is a 400 on this route for now.
+the bearer token. ``stream: true`` sends the finished message as the Messages event stream
+(:func:`message_events`), so the sampling and the record are those of a plain call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from astralight.raas.openai_episodes import CallRecord, Episode
 from astralight.raas.openai_requests import bad_request
 
-__all__ = ["chat_body", "message_body", "MESSAGES_FIELDS"]
+__all__ = ["chat_body", "message_body", "message_events", "MESSAGES_FIELDS"]
 
 #: request fields that change nothing here
 IGNORED = frozenset({"metadata", "service_tier", "container", "mcp_servers"})
@@ -120,8 +121,8 @@ def chat_body(body: Any) -> dict:
     if unknown:
         raise bad_request(unknown[0], f"unknown field (this route supports "
                           f"{sorted(MESSAGES_FIELDS)})")
-    if body.get("stream"):
-        raise bad_request("stream", "is not supported on /v1/messages yet; leave it unset")
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise bad_request("stream", "must be true or false")
     if body.get("top_k") is not None:
         raise bad_request("top_k", "is not supported (the trainer's log-probs have no top-k); "
                           "leave it unset")
@@ -172,3 +173,32 @@ def message_body(ep: Episode, record: CallRecord) -> dict:
             "stop_sequence": None,
             "usage": {"input_tokens": len(record.prompt_ids),
                       "output_tokens": len(record.completion_ids)}}
+
+
+def message_events(message: dict) -> list[tuple[str, dict]]:
+    """A finished ``message`` as the Messages API's stream: ``(event name, data)`` pairs --
+    ``message_start`` (no content yet), per block ``content_block_start``, one delta (the
+    text, or the tool input as ``input_json_delta``) and ``content_block_stop``, then
+    ``message_delta`` (the stop reason and the output tokens) and ``message_stop``."""
+    start = {**message, "content": [], "stop_reason": None,
+             "usage": {**message["usage"], "output_tokens": 0}}
+    out: list[tuple[str, dict]] = [("message_start", {"type": "message_start",
+                                                       "message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            empty, delta = {"type": "text", "text": ""}, {"type": "text_delta",
+                                                          "text": block["text"]}
+        else:
+            empty = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        out.append(("content_block_start", {"type": "content_block_start", "index": i,
+                                            "content_block": empty}))
+        out.append(("content_block_delta", {"type": "content_block_delta", "index": i,
+                                            "delta": delta}))
+        out.append(("content_block_stop", {"type": "content_block_stop", "index": i}))
+    out.append(("message_delta", {"type": "message_delta",
+                                  "delta": {"stop_reason": message["stop_reason"],
+                                            "stop_sequence": None},
+                                  "usage": {"output_tokens": message["usage"]["output_tokens"]}}))
+    out.append(("message_stop", {"type": "message_stop"}))
+    return out

@@ -81,8 +81,8 @@ from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_d
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
                                              bad_request, parse_request, read_json)
 from astralight.raas.anthropic_messages import chat_body as anthropic_chat_body
-from astralight.raas.anthropic_messages import message_body
-from astralight.raas.openai_responses import chat_body, response_body
+from astralight.raas.anthropic_messages import message_body, message_events
+from astralight.raas.openai_responses import chat_body, response_body, response_events
 
 __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "CallRecord",
            "ChatRequest", "RequestError", "parse_request", "MAX_BODY_BYTES"]
@@ -240,9 +240,7 @@ class OpenAIEndpoint:
                 return JSONResponse(body)
             # generated to its end already (the record is exact): its chunks, as server-sent
             # events; an error before this point is a plain JSON error, as OpenAI answers one
-            return StreamingResponse(sse_events(completion_chunks(body, req.include_usage)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return sse(sse_events(completion_chunks(body, req.include_usage)))
 
         @app.post("/v1/episodes/{episode_id}/responses")
         async def responses(episode_id: str, request: Request):
@@ -257,22 +255,29 @@ class OpenAIEndpoint:
                         exc.param = "max_output_tokens"
                     raise
                 record = await self._record(ep, req)
-                return JSONResponse(await asyncio.to_thread(response_body, ep, record, raw, chat,
-                                                            req.logprobs))
+                body = await asyncio.to_thread(response_body, ep, record, raw, chat, req.logprobs)
             except RequestError as exc:
                 return error(exc)
+            if not raw.get("stream"):
+                return JSONResponse(body)
+            return sse(f"event: {e['type']}\ndata: {_json(e)}\n\n"
+                       for e in response_events(body))
 
         async def messages(episode_id: str, request: Request):
             try:
                 ep = self._episode(episode_id)
-                req = parse_request(anthropic_chat_body(await read_json(request,
-                                                                        self.max_body_bytes)))
+                raw = await read_json(request, self.max_body_bytes)
+                req = parse_request(anthropic_chat_body(raw))
                 record = await self._record(ep, req)
-                return JSONResponse(await asyncio.to_thread(message_body, ep, record))
+                body = await asyncio.to_thread(message_body, ep, record)
             except RequestError as exc:
                 if exc.param == "max_completion_tokens":  # named as the Messages API names it
                     exc.param = "max_tokens"
                 return error(exc)
+            if not raw.get("stream"):
+                return JSONResponse(body)
+            return sse(f"event: {name}\ndata: {_json(data)}\n\n"
+                       for name, data in message_events(body))
 
         # the anthropic SDK appends /v1/messages to its base_url
         for path in ("/v1/episodes/{episode_id}/v1/messages", "/v1/episodes/{episode_id}/messages"):
@@ -340,6 +345,16 @@ class OpenAIEndpoint:
         return RequestError(404, "episode_id", f"episode_id: {ep.id!r} ended (the agent's "
                             "episode timed out or finished) while this call was made",
                             "episode_not_found")
+
+
+def sse(events) -> StreamingResponse:
+    """Server-sent events (already formatted) as the response of a streamed call."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
 
 
 class ErrorResponse(JSONResponse):

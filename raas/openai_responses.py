@@ -12,7 +12,9 @@ and a conversation continued in either merges into one sample the same way.
 
 ``previous_response_id`` continues a response of the same episode: its whole conversation (its
 input and its output) comes first. ``store: false`` is accepted (nothing outlives the episode
-anyway). ``stream: true`` is a 400 on this route for now (chat completions stream).
+anyway). ``stream: true`` sends the finished response as the Responses event stream
+(:func:`response_events`: created, each output item added / its text or arguments / done,
+completed), so the sampling and the record are those of a plain call.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from astralight.raas.openai_episodes import CallRecord, Episode
 from astralight.raas.openai_requests import RequestError, bad_request
 
-__all__ = ["chat_body", "response_body", "RESPONSES_FIELDS"]
+__all__ = ["chat_body", "response_body", "response_events", "RESPONSES_FIELDS"]
 
 #: request fields that change nothing here (OpenAI's own bookkeeping and reasoning settings)
 IGNORED = frozenset({"store", "metadata", "user", "parallel_tool_calls", "service_tier",
@@ -120,9 +122,8 @@ def chat_body(body: Any, ep: Episode) -> dict:
     if unknown:
         raise bad_request(unknown[0], f"unknown field (this route supports "
                           f"{sorted(RESPONSES_FIELDS)})")
-    if body.get("stream"):
-        raise bad_request("stream", "is not supported on /responses yet (chat completions "
-                          "stream); leave it unset")
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise bad_request("stream", "must be true or false")
     include = body.get("include") or []
     if not isinstance(include, list) or set(include) - INCLUDES:
         raise bad_request("include", f"only {sorted(INCLUDES)} is supported")
@@ -201,3 +202,44 @@ def response_body(ep: Episode, record: CallRecord, request: dict, chat: dict,
             "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
                       "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def response_events(response: dict) -> list[dict]:
+    """A finished ``response`` as the Responses API's stream events (``sequence_number`` in
+    order): ``response.created`` and ``in_progress`` (no output yet), per output item its
+    ``output_item.added``, its text (``content_part.added``, one ``output_text.delta`` with the
+    log-probs, ``output_text.done``, ``content_part.done``) or its arguments (one
+    ``function_call_arguments.delta`` and ``.done``), ``output_item.done``; then
+    ``response.completed`` (or ``response.incomplete``) with the whole response."""
+    events: list[dict] = []
+
+    def emit(kind: str, **fields) -> None:
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+
+    pending = {**response, "status": "in_progress", "output": [], "usage": None}
+    emit("response.created", response=pending)
+    emit("response.in_progress", response=pending)
+    for i, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            part = item["content"][0]
+            emit("response.output_item.added", output_index=i,
+                 item={**item, "status": "in_progress", "content": []})
+            emit("response.content_part.added", output_index=i, item_id=item["id"],
+                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            emit("response.output_text.delta", output_index=i, item_id=item["id"],
+                 content_index=0, delta=part["text"], logprobs=part.get("logprobs", []))
+            emit("response.output_text.done", output_index=i, item_id=item["id"],
+                 content_index=0, text=part["text"], logprobs=part.get("logprobs", []))
+            emit("response.content_part.done", output_index=i, item_id=item["id"],
+                 content_index=0, part=part)
+        else:
+            emit("response.output_item.added", output_index=i,
+                 item={**item, "status": "in_progress", "arguments": ""})
+            emit("response.function_call_arguments.delta", output_index=i, item_id=item["id"],
+                 delta=item["arguments"])
+            emit("response.function_call_arguments.done", output_index=i, item_id=item["id"],
+                 name=item["name"], arguments=item["arguments"])
+        emit("response.output_item.done", output_index=i, item=item)
+    done = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    emit(done, response=response)
+    return events

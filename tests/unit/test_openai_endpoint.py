@@ -317,8 +317,13 @@ def test_the_responses_api_is_served_by_the_same_recorder(endpoint, engine, tok)
             model="policy", instructions=MSGS[0]["content"], previous_response_id=first.id,
             tools=RESPONSES_TOOLS, max_output_tokens=8,
             input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "579"}])
+        with client.responses.stream(model="policy", input="123+456=",
+                                     instructions=MSGS[0]["content"],
+                                     tools=RESPONSES_TOOLS) as stream:
+            kinds = [e.type for e in stream]
+            streamed = stream.get_final_response()
         refused = {}
-        for name, kwargs in (("stream", {"stream": True}),
+        for name, kwargs in (("stream", {"stream": "yes"}),
                              ("previous_response_id", {"previous_response_id": "resp_nope"}),
                              ("input[0].type", {"input": [{"type": "web_search_call"}]}),
                              ("tools[0]", {"tools": [{"type": "web_search"}]}),
@@ -328,9 +333,16 @@ def test_the_responses_api_is_served_by_the_same_recorder(endpoint, engine, tok)
                 client.responses.create(**args)
             except openai.APIStatusError as exc:
                 refused[name] = (exc.status_code, exc.body["param"])
-        return first, second, fc, refused
+        return first, second, fc, refused, kinds, streamed
 
-    (first, second, fc, refused), records = in_episode(endpoint, engine, call)
+    (first, second, fc, refused, kinds, streamed), records = in_episode(endpoint, engine, call)
+    # streamed: the same response, in the events the SDK's stream helper reads
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert streamed.output_text == first.output_text
+    assert [o.type for o in streamed.output] == [o.type for o in first.output]
+    assert records[2].completion_ids == records[0].completion_ids
+    records = records[:2]
     assert first.status == "completed" and first.output_text == "Let me add."
     assert fc.name == "add" and json.loads(fc.arguments) == {"a": 123, "b": 456}
     assert fc.call_id == records[0].tool_calls[0]["id"]
@@ -377,10 +389,14 @@ def test_the_anthropic_messages_api_is_served_by_the_same_recorder(endpoint, eng
                                                  "content": "579"}]}]
         second = client.messages.create(model="policy", max_tokens=8, tools=ANTHROPIC_TOOLS,
                                         system=MSGS[0]["content"], messages=history)
+        with client.messages.stream(model="policy", max_tokens=64, system=MSGS[0]["content"],
+                                    tools=ANTHROPIC_TOOLS,
+                                    messages=[{"role": "user", "content": "123+456="}]) as stream:
+            streamed = stream.get_final_message()
         refused = {}
         for name, kwargs in (("max_tokens", {"max_tokens": 0}), ("top_k", {"extra_body": {"top_k": 5}}),
                              ("tool_choice", {"tool_choice": {"type": "any"}}),
-                             ("stream", {"stream": True})):
+                             ("stream", {"extra_body": {"stream": "yes"}})):
             args = {"model": "policy", "max_tokens": 8,
                     "messages": [{"role": "user", "content": "hi"}], **kwargs}
             try:
@@ -391,9 +407,17 @@ def test_the_anthropic_messages_api_is_served_by_the_same_recorder(endpoint, eng
         with pytest.raises(anthropic.AuthenticationError):
             bad_key.messages.create(model="policy", max_tokens=8,
                                     messages=[{"role": "user", "content": "hi"}])
-        return first, use, second, refused
+        return first, use, second, refused, streamed
 
-    (first, use, second, refused), records = in_episode(endpoint, engine, call)
+    (first, use, second, refused, streamed), records = in_episode(endpoint, engine, call)
+    # streamed: the SDK's helper rebuilds the same message from the events
+    def blocks(message):  # a tool_use id names its call (call_<episode>_<index>_<j>)
+        return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in message.content]
+
+    assert blocks(streamed) == blocks(first)
+    assert streamed.content[1].id == records[2].tool_calls[0]["id"]
+    assert streamed.stop_reason == "tool_use" and records[2].completion_ids == records[0].completion_ids
+    records = records[:2]
     assert first.stop_reason == "tool_use" and first.content[0].text == "Let me add."
     assert use.name == "add" and use.input == {"a": 123, "b": 456}
     assert second.stop_reason == "end_turn" and second.content[0].text == "579"
