@@ -85,6 +85,7 @@ module holds the command line (:func:`main`).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -145,8 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-check", action="store_true",
                         help="start without checking the component configs first (the recipe's "
                              "own keys are always checked)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="set a recipe key before anything else reads it (dotted path, list "
+                             "items by index, the value read as YAML; repeatable), e.g. --set "
+                             "stop.versions=10 --set trainers.0.model.init_args.lr=1e-4")
+    parser.add_argument("--print-recipe", action="store_true",
+                        help="print the recipe as it would run (extends merged, --set applied; "
+                             "{run_dir}-style placeholders are filled at launch) and exit")
     args = parser.parse_args(argv)
+    merged_dir = None
     try:
+        if args.overrides or args.print_recipe:
+            given = (Path(args.recipe) if args.recipe else
+                     Path(args.resume) / "recipe.yaml" if args.resume else _default_recipe())
+            merged_dir, args.recipe = merged_recipe(given, args.overrides)
+            if args.print_recipe:
+                print(Path(args.recipe).read_text(), end="")
+                return 0
         if args.check:
             from astralight.launch.check import check_recipe
 
@@ -190,4 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"astralight run: failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if merged_dir is not None:
+            shutil.rmtree(merged_dir, ignore_errors=True)
     return 0
+
+
+def merged_recipe(path: Path, overrides: list[str]) -> tuple[str, str]:
+    """``path``'s recipe with its ``extends`` merged and ``overrides`` (``--set``) applied,
+    checked (:func:`load_recipe`, every problem naming its key) and written to a temporary
+    folder; returns ``(folder, recipe file)``. The run folder keeps it as ``recipe.yaml``."""
+    import tempfile
+
+    import yaml
+
+    from astralight.launch.recipe import apply_overrides, resolve_recipe
+
+    recipe = apply_overrides(resolve_recipe(Path(path)), overrides)
+    folder = tempfile.mkdtemp(prefix="astralight-recipe-")
+    out = Path(folder) / Path(path).name
+    out.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    try:
+        load_recipe(out)
+    except RecipeError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise RecipeError(str(exc).replace(str(out), f"{path} with --set applied")) from None
+    return folder, str(out)

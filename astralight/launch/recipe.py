@@ -178,6 +178,52 @@ def resolve_recipe(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
     return deep_merge(resolve_recipe(parent_path, (*_chain, resolved)), recipe)
 
 
+def set_key(recipe: dict, dotted: str, value: str) -> None:
+    """``recipe[a][b][0][c] = value`` for ``dotted = "a.b.0.c"``, the value read as YAML (``1e-3``
+    as a number too); missing mapping keys are made (the schema then names a misspelt one), a
+    list item must exist. RecipeError naming ``--set`` and the key otherwise."""
+    parsed = yaml.safe_load(value) if value.strip() else ""
+    if isinstance(parsed, str):  # PyYAML reads 1e-3 (no dot) as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    parts = dotted.split(".")
+    if not dotted or any(not part for part in parts):
+        raise RecipeError(f"--set {dotted}={value}: the key must be a dotted path such as "
+                          "trainers.0.model.init_args.lr")
+    node: Any = recipe
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth]) or "the recipe"
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {dotted}: {here} is a list of {len(node)} item(s); "
+                                  f"{part!r} is not an index of it")
+            if last:
+                node[int(part)] = parsed
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = parsed
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise RecipeError(f"--set {dotted}: {here} is {type(node).__name__} {node!r}, not a "
+                              "mapping or a list")
+
+
+def apply_overrides(recipe: dict, items: list[str]) -> dict:
+    """``recipe`` with each ``KEY=VALUE`` of ``items`` set in order (:func:`set_key`)."""
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise RecipeError(f"--set {item}: expected KEY=VALUE, e.g. stop.versions=10")
+        set_key(recipe, key.strip(), value)
+    return recipe
+
+
 def load_recipe(path: Path) -> dict:
     """Read and check a recipe (its ``extends`` chain merged); every problem names its key.
 
@@ -289,6 +335,6 @@ def with_pythonpath(recipe: dict, env: dict) -> dict:
         folders + [p for p in current.split(os.pathsep) if p])}
 
 
-__all__ = ["RecipeError", "substitute", "entry_id", "deep_merge", "read_recipe_file",
+__all__ = ["RecipeError", "set_key", "apply_overrides", "substitute", "entry_id", "deep_merge", "read_recipe_file",
            "resolve_recipe", "load_recipe", "AUTOSCALE_DEFAULTS", "autoscale_settings",
            "supervise_settings_checked", "recipe_pythonpath", "use_pythonpath", "with_pythonpath"]

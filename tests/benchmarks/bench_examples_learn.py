@@ -56,7 +56,8 @@ if str(ROOT) not in sys.path:  # run as a script: make the tests package importa
     sys.path.insert(0, str(ROOT))
 
 from tests.benchmarks.bench_data_algorithms import _publisher_every, eval_every_for  # noqa: E402
-from tests.benchmarks.bench_vs_trl import _load, set_key  # noqa: E402
+from astralight.launch.recipe import RecipeError, apply_overrides  # noqa: E402
+from tests.benchmarks.bench_vs_trl import _load  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 #: the examples that claim learning, in the order they run (the text game has no example yet)
@@ -116,12 +117,10 @@ def run_recipe(base: dict, seed: int, dtype: str | None, versions: int | None,
         ev = (recipe.get("dataflow") or {}).get("eval") or {}
         if ev.get("every") and versions % int(ev["every"]):
             ev["every"] = eval_every_for(versions, int(ev["every"]))
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set: {item!r} is not KEY=VALUE (e.g. trainers.0.model.init_args.lr=3e-4)")
-        set_key(recipe, key, value)
-    return recipe
+    try:
+        return apply_overrides(recipe, overrides)
+    except RecipeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def prepare_once(name: str, recipe: dict, out: Path) -> Path | None:

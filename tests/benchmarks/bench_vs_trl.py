@@ -249,27 +249,6 @@ def evaluate(init: Path, snapshot: Path | None, task: str, k: int = 4, seed: int
 # ---------------------------------------------------------------------------------- astralight
 
 
-def set_key(recipe: dict, dotted: str, value: str) -> None:
-    """``recipe[a][b][0][c] = value`` (read as YAML) for ``dotted = "a.b.0.c"``."""
-    import yaml
-
-    parsed = yaml.safe_load(value)
-    if isinstance(parsed, str):  # PyYAML reads 1e-3 (no dot) as a string
-        try:
-            parsed = float(parsed)
-        except ValueError:
-            pass
-    parts = dotted.split(".")
-    node = recipe
-    for part in parts[:-1]:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-    last = parts[-1]
-    if isinstance(node, list):
-        node[int(last)] = parsed
-    else:
-        node[last] = parsed
-
-
 def config_keys(config: str, task: str, trl_lr: float) -> list[str]:
     """The recipe keys of ``--config`` for ``task`` (placeholders filled)."""
     return [k.format(lr=trl_lr, max_tokens=TASKS[task]["max_tokens"], batch=batch_of(task),
@@ -303,10 +282,9 @@ def astra_recipe(budget_s: float, port: int, overrides: list[str], task: str = "
     recipe["trainers"][0]["seed_everything"] = seed
     for raas in recipe["raas"]:
         raas["seed"] = seed
-    for item in overrides:
-        key, _, value = item.partition("=")
-        set_key(recipe, key, value)
-    return recipe
+    from astralight.launch.recipe import apply_overrides
+
+    return apply_overrides(recipe, overrides)
 
 
 class _NoEngine:

@@ -31,7 +31,7 @@ def test_a_run_changes_only_the_seed_precision_length_and_overrides(name):
 
 def test_bad_arguments_are_named():
     base = bench.example_recipe("toy")
-    with pytest.raises(SystemExit, match="--set: 'lr' is not KEY=VALUE"):
+    with pytest.raises(SystemExit, match="--set lr: expected KEY=VALUE"):
         bench.run_recipe(base, 0, None, None, ["lr"])
     with pytest.raises(SystemExit, match="--versions: must be >= 1"):
         bench.run_recipe(base, 0, None, 0, [])

@@ -296,3 +296,37 @@ def test_summary_has_the_tool_call_rate_of_a_tool_workflow_only():
     assert final_eval(evals)["tool_call_rate_end"] == 0.97
     plain = build_summary({"models": {}}, {0: {"complete": True, "avg_at_k": 0.2}}, None, "policy", 0)
     assert "tool_call_rate_start" not in plain
+
+
+def test_set_overrides_keys_by_dotted_path_and_names_the_bad_ones():
+    from astralight.launch.recipe import apply_overrides
+
+    recipe = {"stop": {"versions": 5}, "trainers": [{"model": {"init_args": {"lr": 1.0}}}]}
+    apply_overrides(recipe, ["stop.versions=10", "trainers.0.model.init_args.lr=1e-4",
+                             "dataflow.eval.source=null", "name=my run"])
+    assert recipe["stop"]["versions"] == 10 and recipe["name"] == "my run"
+    assert recipe["trainers"][0]["model"]["init_args"]["lr"] == 1e-4
+    assert recipe["dataflow"] == {"eval": {"source": None}}
+    for bad, why in (("trainers.1.x=1", "trainers is a list of 1 item"),
+                     ("stop.versions.x=1", "stop.versions is int 10"),
+                     ("stop..versions=1", "dotted path"), ("versions", "expected KEY=VALUE")):
+        with pytest.raises(RecipeError, match=why):
+            apply_overrides(recipe, [bad])
+
+
+def test_run_set_and_print_recipe(capsys):
+    """``astralight run --set ... --print-recipe`` prints the recipe as it would run; a key the
+    schema does not know is named, against the recipe it came from, before anything starts."""
+    from astralight.launch import main
+
+    assert main(["--set", "stop.versions=7", "--set", "trainers.0.model.init_args.lr=2e-4",
+                 "--print-recipe"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["stop"]["versions"] == 7
+    assert printed["trainers"][0]["model"]["init_args"]["lr"] == 2e-4
+    default = yaml.safe_load(_default_recipe().read_text())
+    assert printed["raas"] == default["raas"]
+    assert main(["--set", "stop.verions=3", "--print-recipe"]) == 2
+    err = capsys.readouterr().err
+    assert "recipe.stop.verions: unknown key; did you mean 'versions'" in err
+    assert "with --set applied" in err and "/tmp/" not in err
