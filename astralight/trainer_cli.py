@@ -251,8 +251,9 @@ def build(argv: list[str] | None = None, run: bool = True) -> AstralightCLI:
         run=run,
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
-        # error tips name the command a user typed ("astralight fit --help"), not "cli.py"
-        parser_kwargs={"prog": "astralight"},
+        # error tips name the command a user typed ("astralight fit --help"), not "cli.py"; no
+        # abbreviations: --trainer.max_step must not be taken for --trainer.max_steps
+        parser_kwargs={"prog": "astralight", "allow_abbrev": False},
     )
 
 

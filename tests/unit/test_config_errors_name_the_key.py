@@ -1,5 +1,6 @@
 """Config mistakes fail before anything starts, with a message naming the key and the fix:
-a missing model folder (trainer and RaaS), a RaaS engine argument typo, and a dataflow
+a missing model folder (trainer and RaaS), a RaaS engine argument typo, an abbreviated trainer
+option, and a dataflow
 ``class_path`` that cannot be imported (it escaped jsonargparse as a traceback)."""
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def test_a_missing_local_model_folder_is_named_for_the_trainer(capsys):
     err = capsys.readouterr().err
     assert "model.init_args.model_path: '/nonexistent' does not exist" in err
     assert "Repo id" not in err and "Traceback" not in err
+
+
+def test_an_abbreviated_trainer_option_is_refused_not_expanded(capsys):
+    """``--trainer.max_step`` is a typo, not ``--trainer.max_steps`` (argparse would expand it)."""
+    from astralight.trainer_cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--config", str(ROOT / "configs" / "toy" / "trainer.yaml"),
+              "--trainer.max_step=3", "--print_config"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --trainer.max_step=3" in capsys.readouterr().err
 
 
 def test_an_unimportable_class_path_in_the_dataflow_config_names_its_key(tmp_path, capsys):
