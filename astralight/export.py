@@ -360,6 +360,17 @@ def _prepare_out(out: Path, force: bool, protected: list[Path]) -> None:
             raise ExportError(f"--out: {out} is not empty; pass --force to replace it")
 
 
+def plain_file_modes(folder: Path) -> None:
+    """Give every file of ``folder`` the mode a plain write would (``0o666`` less the umask):
+    transformers writes ``model.safetensors`` through a private temporary file, 0600, which
+    another user serving the export (a vLLM container, a colleague) could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename the finished ``tmp`` folder to ``out``, replacing what is there."""
     if out.is_symlink():
@@ -503,6 +514,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike,
                 state = merged_state_dict(model, state)
                 target = _meta_model(base)
             written = _write_full(state, target, base, tmp, torch_dtype)
+        plain_file_modes(tmp)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

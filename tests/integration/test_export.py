@@ -92,6 +92,11 @@ def test_single_file_checkpoint_exports_the_trained_weights(tiny_model_dir, full
         assert torch.equal(got[name], w), name
     assert sum(not torch.equal(base[n], w) for n, w in trained.items()) >= len(trained) // 2
     assert not any(p.name.startswith(f"{out.name}.tmp-") for p in tmp_path.iterdir())
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~umask, modes  # transformers writes it 0600
+    assert set(modes.values()) == {0o666 & ~umask}, modes
 
     bf16 = export_checkpoint(ckpt, tmp_path / "bf16", log=lambda line: None)  # the default dtype
     assert bf16.kind == "full" and bf16.dtype == torch.bfloat16 and bf16.tensors == len(trained)
