@@ -186,7 +186,7 @@ def build_toy_policy(out_dir: str | Path, spec: TinyModelSpec | dict | None = No
                      source_kwargs: dict | None = None, sft_steps: int = DEFAULT_SFT_STEPS,
                      lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
                      label_smoothing: float = DEFAULT_LABEL_SMOOTHING,
-                     progress: Progress | bool = True, num_threads: int | None = None) -> Path:
+                     progress: Progress | bool = True, num_threads: int | None = 1) -> Path:
     """Warm-start the tiny model and save it as a transformers/vLLM model folder at ``out_dir``.
 
     ``source_kwargs`` are the ``ArithmeticSource`` arguments other than ``split`` and ``seed``;

@@ -77,7 +77,7 @@ def warm_start_calculator(base: str | Path, out_dir: str | Path, conversations: 
                           tool_share: float = 0.5, sft_steps: int = 40, lr: float = 2e-5,
                           batch_size: int = 8, seed: int = 0, chat_template: str = "chatml_tools",
                           source: dict | None = None, progress: bool = True,
-                          num_threads: int | None = None) -> Path:
+                          num_threads: int | None = 1) -> Path:
     """Fine-tune the model folder ``base`` on :func:`calculator_conversations` and save it at
     ``out_dir`` (which must not exist or be empty; written aside and renamed into place), with
     ``base``'s tokenizer, generation config and provenance, and ``warmstart.json``."""

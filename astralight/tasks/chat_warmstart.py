@@ -90,7 +90,7 @@ def train_chat_warmstart(conversations: Sequence[Conversation], tools: list | No
 def build_chat_policy(out_dir: str | Path, conversations: Callable[[], Sequence[Conversation]],
                       tools: list | None = None, spec: TinyModelSpec | None = None,
                       sft_steps: int = 600, lr: float = 5e-3, batch_size: int = 32, seed: int = 0,
-                      progress: Progress | bool = True, num_threads: int | None = None,
+                      progress: Progress | bool = True, num_threads: int | None = 1,
                       provenance: dict | None = None) -> Path:
     """Warm-start the tiny chat model on ``conversations()`` and save it as a model folder at
     ``out_dir`` (written aside and renamed into place, with ``warmstart.json``)."""

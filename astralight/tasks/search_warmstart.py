@@ -93,7 +93,7 @@ def build_search_policy(out_dir: str | Path, data_dir: str | Path, seed: int = 0
                         search_share: float = 1.0, conversations: int = 4000,
                         spec: TinyModelSpec | dict | None = None, sft_steps: int = 400,
                         lr: float = 5e-3, batch_size: int = 32, progress: Progress | bool = True,
-                        num_threads: int | None = None) -> Path:
+                        num_threads: int | None = 1) -> Path:
     """The search recipe's ``prepare`` step: write the synthetic world to ``data_dir``
     (``corpus.jsonl``, ``train.jsonl``, ``eval.jsonl``; see
     :func:`~astralight.agents.search.write_synthetic_qa`) and warm-start the tiny chat model on

@@ -147,7 +147,7 @@ def build_sft_policy(out_dir: str | Path, data_path: str | Path, model_path: str
                      target_key: str = "target", sft_steps: int = DEFAULT_SFT_STEPS,
                      lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
                      label_smoothing: float = 0.0, progress: Progress | bool = True,
-                     num_threads: int | None = None) -> Path:
+                     num_threads: int | None = 1) -> Path:
     """A recipe ``prepare`` function: warm-start a model on ``data_path``'s prompt -> target
     pairs and save it as a transformers/vLLM model folder at ``out_dir``.
 

@@ -254,7 +254,7 @@ def build_toy_verifier(out_dir: str | Path, spec: TinyModelSpec | dict | None = 
                        seed: int = 0, label_smoothing: float = DEFAULT_VERIFIER_LABEL_SMOOTHING,
                        max_offset: int = DEFAULT_MAX_OFFSET, near_share: float = DEFAULT_NEAR_SHARE,
                        show_work: bool = DEFAULT_SHOW_WORK, progress: Progress | bool = True,
-                       num_threads: int | None = None) -> Path:
+                       num_threads: int | None = 1) -> Path:
     """Warm-start the toy verifier and save it as a transformers/vLLM model folder at ``out_dir``.
 
     Folder format, atomic rename, ``warmstart.json`` and ``num_threads`` as in
@@ -277,7 +277,7 @@ def build_toy_solver(out_dir: str | Path, spec: TinyModelSpec | dict | None = No
                      lr: float = DEFAULT_LR, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0,
                      label_smoothing: float = DEFAULT_LABEL_SMOOTHING,
                      retry_share: float = DEFAULT_RETRY_SHARE, progress: Progress | bool = True,
-                     num_threads: int | None = None) -> Path:
+                     num_threads: int | None = 1) -> Path:
     """The toy solver of the solver-verifier recipe: the toy policy
     (:func:`~astralight.tasks.arithmetic_warmstart.build_toy_policy`) plus retry-format examples
     (``retry_share``); ``retry_share=0`` trains on plain prompts only."""
@@ -294,7 +294,7 @@ def build_toy_solver(out_dir: str | Path, spec: TinyModelSpec | dict | None = No
 def build_toy_solver_verifier(out_dir: str | Path, source_kwargs: dict | None = None,
                               solver: dict | None = None, verifier: dict | None = None,
                               seed: int = 0, progress: Progress | bool = True,
-                              num_threads: int | None = None) -> Path:
+                              num_threads: int | None = 1) -> Path:
     """A recipe ``prepare`` function: ``out_dir/solver`` (:func:`build_toy_solver`) and
     ``out_dir/verifier`` (:func:`build_toy_verifier`); returns ``out_dir``.
 

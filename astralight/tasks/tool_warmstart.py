@@ -81,7 +81,7 @@ def build_tool_policy(out_dir: str | Path, conversations: int = 4000,
                       tool_share: float = DEFAULT_TOOL_SHARE,
                       result_noise: float = DEFAULT_RESULT_NOISE, sft_steps: int = 800,
                       lr: float = 5e-3, batch_size: int = 32, seed: int = 0,
-                      progress: Progress | bool = True, num_threads: int | None = None) -> Path:
+                      progress: Progress | bool = True, num_threads: int | None = 1) -> Path:
     """The toy tool-use recipe's initial policy at ``out_dir`` (its ``prepare`` step)."""
     tools = [Tool(add).schema]
     return build_chat_policy(
