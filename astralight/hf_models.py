@@ -67,15 +67,22 @@ def tie_if_configured(model: Any) -> bool:
     return True
 
 
+def is_local_path(path: str) -> bool:
+    """Whether a model path names a local folder, not a hub id: absolute, starting with
+    ``./``, ``../`` or ``~``, or of more than two parts (``runs/toy/models/init``; a hub id is
+    ``name`` or ``org/name``)."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") >= 2
+
+
 def check_model_path(path: Any, key: str) -> None:
     """Refuse a local model folder that does not exist, naming the config ``key`` (without
     this, transformers takes it for a hub repo id and fails with "Repo id must be in the form
-    'repo_name'", naming no key). A path is local when it is absolute or starts with ``./``,
-    ``../`` or ``~``; a hub id (``org/name``) is left to transformers."""
+    'repo_name'", naming no key). Local: :func:`is_local_path`; a hub id (``org/name``) that
+    is no folder here is left to transformers."""
     import os
     from pathlib import Path
 
-    if isinstance(path, str) and path.startswith(("/", "./", "../", "~")):
+    if isinstance(path, str) and is_local_path(path):
         if not Path(os.path.expanduser(path)).exists():
             raise ValueError(f"{key}: {path!r} does not exist; give the folder of a Hugging Face "
                              "model (config.json, weights, tokenizer) -- the same one the RaaS "

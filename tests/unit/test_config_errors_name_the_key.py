@@ -39,6 +39,10 @@ def test_a_missing_local_model_folder_is_named_for_the_raas(tmp_path):
     with pytest.raises(ValueError, match=r"engines\.policy\.model_path: '/nonexistent' does not "
                                          r"exist"):
         _raas(tmp_path, "    model_path: /nonexistent\n")
+    # a relative folder of more than two parts is a path, not a hub id
+    with pytest.raises(ValueError, match=r"engines\.policy\.model_path: 'runs/toy/models/init' "
+                                         r"does not exist"):
+        _raas(tmp_path, "    model_path: runs/toy/models/init\n")
     # a hub id is left to the engine (it may be downloadable where the RaaS runs)
     assert _raas(tmp_path, "    model_path: Qwen/Qwen3-8B\n").engines["policy"]["model_path"]
 
@@ -52,6 +56,13 @@ def test_a_missing_local_model_folder_is_named_for_the_trainer(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "model.init_args.model_path: '/nonexistent' does not exist" in err
+    assert "Repo id" not in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as info:  # relative, as a component config often says it
+        main(["--config", str(ROOT / "configs" / "toy" / "trainer.yaml"),
+              "--model.init_args.model_path", "runs/toy/models/init"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "model.init_args.model_path: 'runs/toy/models/init' does not exist" in err
     assert "Repo id" not in err and "Traceback" not in err
 
 
