@@ -523,6 +523,7 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
                      f"recipe.trainers[{trainer_names.index(name)}]")
             _check_paths(cfg, where, run_folder, stand_in, result)
         build_components(recipe, tmp_dir / "components", url, port)  # tokens, cpu_affinity
+        _check_links(recipe)
         if components:
             if stand_in is not None:
                 _stand_in_models(configs, stand_in)
@@ -542,6 +543,53 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
                     _check_trainer(i, name, paths[name])
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _check_links(recipe: dict) -> None:
+    """What no one component's parser sees: the recipe's fixed ``port`` is free, every trainer's
+    policy is one of the dataflow's ``model_ids`` and its data module reads that policy, and every
+    RaaS workflow answers to the dataflow's ``workflow`` name (the dataflow refuses a RaaS of
+    another workflow at registration, and it would sit idle)."""
+    import importlib
+    import socket
+
+    port = recipe.get("port")
+    if port:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", int(port)))
+            except OSError as exc:
+                raise RecipeError(f"recipe.port: {port} is in use on this machine ({exc.strerror}); "
+                                  "stop what holds it, pick another, or leave port unset for a "
+                                  "free one") from None
+    dataflow = recipe.get("dataflow") or {}
+    model_ids = list(dataflow.get("model_ids") or ["policy"])
+    for i, trainer in enumerate(recipe.get("trainers") or []):
+        mid = ((trainer.get("model") or {}).get("init_args") or {}).get("model_id", "policy")
+        if mid not in model_ids:
+            raise RecipeError(f"recipe.trainers[{i}].model.init_args.model_id: {mid!r} is not one "
+                              f"of recipe.dataflow.model_ids {model_ids}; the trainer would wait "
+                              "for batches that never come")
+        data_mid = ((trainer.get("data") or {}).get("init_args") or {}).get("model_id")
+        if data_mid is not None and data_mid != mid:
+            raise RecipeError(f"recipe.trainers[{i}].data.init_args.model_id: {data_mid!r}, but "
+                              f"the trainer's policy is {mid!r} (model.init_args.model_id); "
+                              "remove it (it follows the model's) or make them equal")
+    wanted = dataflow.get("workflow", "single_turn")
+    for i, raas in enumerate(recipe.get("raas") or []):
+        path = (raas.get("workflow") or {}).get("class_path")
+        if not isinstance(path, str) or "." not in path:
+            continue  # the RaaS parser names a missing or bad class_path
+        module, _, attr = path.rpartition(".")
+        with _sys_path(_kind_pythonpath(recipe, "raas")):
+            try:
+                name = getattr(getattr(importlib.import_module(module), attr), "name", "")
+            except (ImportError, AttributeError):
+                continue  # likewise
+        if name and name != wanted:
+            raise RecipeError(f"recipe.raas[{i}].workflow: {path} runs {name!r} tasks, but "
+                              f"recipe.dataflow.workflow is {wanted!r}; set dataflow.workflow: "
+                              f"{name} (or use a {wanted} workflow)")
 
 
 __all__ = ["CheckResult", "check_recipe", "MODEL_PATH_KEYS", "DATA_PATH_KEYS"]

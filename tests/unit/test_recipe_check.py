@@ -93,6 +93,42 @@ def test_each_component_problem_names_the_recipe_key(tmp_path, changes, message)
         check_recipe(child(tmp_path, **changes))
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"trainers": {"policy": {"data": {"init_args": {"model_id": "solver"}}}}},
+     r"recipe\.trainers\[0\]\.data\.init_args\.model_id: 'solver', but the trainer's policy is "
+     r"'policy'"),
+    ({"dataflow": {"workflow": "tool_agent"}},
+     r"recipe\.raas\[0\]\.workflow: astralight\.workflows\.single_turn\.SingleTurnWorkflow runs "
+     r"'single_turn' tasks, but recipe\.dataflow\.workflow is 'tool_agent'"),
+])
+def test_mistakes_between_components_are_named_before_anything_starts(tmp_path, changes, message):
+    """What no one component's parser sees (issue 42): components=False, so these are found
+    without importing any component parser."""
+    with pytest.raises(RecipeError, match=message):
+        check_recipe(child(tmp_path, **changes), components=False)
+
+
+def test_a_policy_the_dataflow_does_not_serve_is_named(tmp_path):
+    recipe = yaml.safe_load(TOY.read_text())
+    recipe["trainers"][0]["model"]["init_args"]["model_id"] = "polcy"
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=r"recipe\.trainers\[0\]\.model\.init_args\.model_id: "
+                                          r"'polcy' is not one of recipe\.dataflow\.model_ids"):
+        check_recipe(path, components=False)
+
+
+def test_a_fixed_port_in_use_is_named(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(RecipeError, match=rf"recipe\.port: {port} is in use on this machine"):
+            check_recipe(child(tmp_path, port=port), components=False)
+
+
 def test_paths_the_run_writes_and_hub_ids_are_not_errors(tmp_path):
     recipe = with_source(tmp_path, {"class_path": "astralight.tasks.qa.QASource",
                                     "init_args": {"path": "{run_dir}/data/train.jsonl",
