@@ -547,7 +547,8 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
 
 def _check_links(recipe: dict) -> None:
     """What no one component's parser sees: the recipe's fixed ``port`` is free, every trainer's
-    policy is one of the dataflow's ``model_ids`` and its data module reads that policy, and every
+    policy is one of the dataflow's ``model_ids``, its data module reads that policy and, when it
+    publishes LoRA adapters, its engines load them (``enable_lora``), and every
     RaaS workflow answers to the dataflow's ``workflow`` name (the dataflow refuses a RaaS of
     another workflow at registration, and it would sit idle)."""
     import importlib
@@ -570,6 +571,18 @@ def _check_links(recipe: dict) -> None:
             raise RecipeError(f"recipe.trainers[{i}].model.init_args.model_id: {mid!r} is not one "
                               f"of recipe.dataflow.model_ids {model_ids}; the trainer would wait "
                               "for batches that never come")
+        lora = ((trainer.get("model") or {}).get("init_args") or {}).get("lora")
+        if isinstance(lora, dict) and lora.get("publish", "adapter") == "adapter":
+            for j, raas in enumerate(recipe.get("raas") or []):
+                engine = (raas.get("engines") or {}).get(mid)
+                if isinstance(engine, dict) and "class_path" not in engine and not engine.get(
+                        "enable_lora"):
+                    raise RecipeError(
+                        f"recipe.raas[{j}].engines.{mid}.enable_lora: the trainer publishes LoRA "
+                        f"adapters (recipe.trainers[{i}].model.init_args.lora.publish: adapter), "
+                        "which this engine cannot load, so the run would stall at version 1; "
+                        "set enable_lora: true (and max_lora_rank >= lora.r), or publish: merged "
+                        "(full weights as deltas; the faster choice on a CPU engine)")
         data_mid = ((trainer.get("data") or {}).get("init_args") or {}).get("model_id")
         if data_mid is not None and data_mid != mid:
             raise RecipeError(f"recipe.trainers[{i}].data.init_args.model_id: {data_mid!r}, but "

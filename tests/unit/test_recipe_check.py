@@ -100,12 +100,22 @@ def test_each_component_problem_names_the_recipe_key(tmp_path, changes, message)
     ({"dataflow": {"workflow": "tool_agent"}},
      r"recipe\.raas\[0\]\.workflow: astralight\.workflows\.single_turn\.SingleTurnWorkflow runs "
      r"'single_turn' tasks, but recipe\.dataflow\.workflow is 'tool_agent'"),
+    ({"trainers": {"policy": {"model": {"init_args": {"lora": {"r": 8}}}}}},
+     r"recipe\.raas\[0\]\.engines\.policy\.enable_lora: the trainer publishes LoRA adapters"),
 ])
 def test_mistakes_between_components_are_named_before_anything_starts(tmp_path, changes, message):
     """What no one component's parser sees (issue 42): components=False, so these are found
     without importing any component parser."""
     with pytest.raises(RecipeError, match=message):
         check_recipe(child(tmp_path, **changes), components=False)
+
+
+def test_lora_adapters_pass_with_an_engine_that_loads_them_or_merged_publication(tmp_path):
+    lora = {"trainers": {"policy": {"model": {"init_args": {"lora": {"r": 8}}}}}}
+    check_recipe(child(tmp_path, **lora, raas={0: {"engines": {"policy": {
+        "enable_lora": True}}}}), components=False)
+    check_recipe(child(tmp_path, trainers={"policy": {"model": {"init_args": {"lora": {
+        "r": 8, "publish": "merged"}}}}}), components=False)
 
 
 def test_a_policy_the_dataflow_does_not_serve_is_named(tmp_path):
