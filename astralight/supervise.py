@@ -81,6 +81,15 @@ def supervise_settings(spec: Any) -> dict | None:
     return out if enabled else None
 
 
+def exit_reason(rc: int | None) -> str:
+    """What an exit status says beyond its number (SIGKILL that nobody sent on purpose is, on
+    Linux, almost always the kernel's out-of-memory killer)."""
+    if rc == -9:
+        return (" (SIGKILL: on Linux usually the kernel's out-of-memory killer; `dmesg | grep -i "
+                "'out of memory'` tells; a smaller micro_batch_size or max_model_len needs less)")
+    return ""
+
+
 def backoff(settings: dict, restarts_so_far: int) -> float:
     """Seconds to wait before restarting a component that was restarted ``restarts_so_far`` times."""
     delay = float(settings["backoff_s"]) * float(settings["backoff_factor"]) ** restarts_so_far
@@ -232,19 +241,20 @@ class Supervisor:
                                          "or agent): a restart would fail the same way, so "
                                          f"none is made. Its log:\n"
                                          f"{comp.tail()}")
+        why = exit_reason(rc)
         if self.settings is None:
-            raise GiveUp(name, rc, used, f"{name} exited with {rc} (recipe.supervise is off):\n"
+            raise GiveUp(name, rc, used, f"{name} exited with {rc}{why} (recipe.supervise is off):\n"
                                          f"{comp.tail()}")
         limit = int(self.settings["max_restarts"])
         if used >= limit:
             raise GiveUp(name, rc, used,
-                         f"{name} exited with {rc} after {used} restart(s); "
+                         f"{name} exited with {rc}{why} after {used} restart(s); "
                          f"recipe.supervise.max_restarts={limit} reached:\n{comp.tail()}")
         delay = backoff(self.settings, used)
         event = RestartEvent(name, used + 1, rc, now, delay)
         self.events.append(event)
         self.pending[name] = (now + delay, event)
-        self.log(f"[launch] {name} exited with {rc}; restarting in {delay:g}s "
+        self.log(f"[launch] {name} exited with {rc}{why}; restarting in {delay:g}s "
                  f"(restart {used + 1} of {limit})")
         if self.on_event:
             self.on_event(event)
