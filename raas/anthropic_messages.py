@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from astralight.raas.openai_episodes import CallRecord, Episode
-from astralight.raas.openai_requests import bad_request
+from astralight.raas.openai_requests import bad_request, check_fields
 
 __all__ = ["chat_body", "message_body", "message_events", "MESSAGES_FIELDS"]
 
@@ -115,14 +115,7 @@ def _tools(value: Any) -> list[dict]:
 
 def chat_body(body: Any) -> dict:
     """The chat completions request a Messages request means."""
-    if not isinstance(body, dict):
-        raise bad_request("body", "must be a JSON object")
-    unknown = sorted(set(body) - MESSAGES_FIELDS)
-    if unknown:
-        raise bad_request(unknown[0], f"unknown field (this route supports "
-                          f"{sorted(MESSAGES_FIELDS)})")
-    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
-        raise bad_request("stream", "must be true or false")
+    check_fields(body, MESSAGES_FIELDS)
     if body.get("top_k") is not None:
         raise bad_request("top_k", "is not supported (the trainer's log-probs have no top-k); "
                           "leave it unset")

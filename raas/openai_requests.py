@@ -208,6 +208,19 @@ def _tools(value: Any) -> list[dict]:
     return out
 
 
+def check_fields(body: Any, fields: frozenset) -> dict:
+    """A request body of another dialect (Responses, Messages): a JSON object with only
+    ``fields`` and a boolean ``stream`` if any; a 400 naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise bad_request("body", "must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise bad_request(unknown[0], f"unknown field (this route supports {sorted(fields)})")
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise bad_request("stream", "must be true or false")
+    return body
+
+
 def _stream(body: dict) -> tuple[bool, bool]:
     """``stream`` and ``stream_options.include_usage``."""
     stream = body.get("stream")

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from astralight.raas.openai_episodes import CallRecord, Episode
-from astralight.raas.openai_requests import RequestError, bad_request
+from astralight.raas.openai_requests import RequestError, bad_request, check_fields
 
 __all__ = ["chat_body", "response_body", "response_events", "RESPONSES_FIELDS"]
 
@@ -116,14 +116,7 @@ def _tools(value: Any) -> list[dict] | None:
 def chat_body(body: Any, ep: Episode) -> dict:
     """The chat completions request a Responses request means (``previous_response_id``'s
     conversation first)."""
-    if not isinstance(body, dict):
-        raise bad_request("body", "must be a JSON object")
-    unknown = sorted(set(body) - RESPONSES_FIELDS)
-    if unknown:
-        raise bad_request(unknown[0], f"unknown field (this route supports "
-                          f"{sorted(RESPONSES_FIELDS)})")
-    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
-        raise bad_request("stream", "must be true or false")
+    check_fields(body, RESPONSES_FIELDS)
     include = body.get("include") or []
     if not isinstance(include, list) or set(include) - INCLUDES:
         raise bad_request("include", f"only {sorted(INCLUDES)} is supported")
