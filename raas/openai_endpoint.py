@@ -74,14 +74,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from astralight.raas.anthropic_messages import chat_body as anthropic_chat_body
+from astralight.raas.anthropic_messages import message_body, message_events
 from astralight.raas.openai_completions import (complete, completion_body, completion_chunks,
                                                  sse_events)
 from astralight.raas.openai_episodes import CallRecord, Episode, EpisodeSettings
 from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_digest
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
                                              bad_request, parse_request, read_json)
-from astralight.raas.anthropic_messages import chat_body as anthropic_chat_body
-from astralight.raas.anthropic_messages import message_body, message_events
 from astralight.raas.openai_responses import chat_body, response_body, response_events
 
 __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "CallRecord",

@@ -373,8 +373,8 @@ class OpenAIAgentWorkflow(Workflow):
         except asyncio.TimeoutError:
             end, error = "timeout", "timeout"
             self.stats["agent_timeouts"] += 1
-            log.warning("task %s episode %d: the agent did not finish in timeout_s=%g s; no "
-                        "sample (%d timeouts so far)", task.task_id, slot, self.timeout_s,
+            log.warning("task %s episode %d: the agent did not finish in timeout_s=%g s (%d "
+                        "timeouts so far)", task.task_id, slot, self.timeout_s,
                         self.stats["agent_timeouts"])
         except Exception as exc:  # noqa: BLE001 - the user's agent failed: counted, not fatal
             end, error = "error", f"{type(exc).__name__}: {exc}"
