@@ -21,8 +21,10 @@ joins at exit, so one agent stuck in its own code would keep the RaaS from ever 
 
 Its return value is the episode's answer: text as is, ``None`` as ``""``, anything else as JSON.
 ``reward(answer, task.metadata)`` scores the episode. An agent that raises or times out is logged
-and counted (:attr:`OpenAIAgentWorkflow.stats`) and gives no sample for that episode; its calls
-after a timeout are refused (404), so it stops soon.
+and counted (:attr:`OpenAIAgentWorkflow.stats`); the calls it made are scored ``failed_reward``
+(None: no sample), and its calls after a timeout are refused (404), so it stops soon. When the
+first ``fail_fast`` episodes all raise the same error, the workflow is broken
+(:class:`~astralight.workflows.base.BrokenWorkflowError`: the RaaS stops the run).
 
 Samples (:func:`merge_calls`): the endpoint recorded every call's prompt and completion tokens.
 A call whose prompt token ids start with the tokens of an earlier segment (that segment's prompt,
