@@ -86,7 +86,8 @@ class Workflow:
       summed into the dataflow's counters and the trainer's ``agent/*`` scalars;
       ``metadata["segment"]``: the index of the sample within an episode split into several
       samples (one per model call): only segment 0 (or a sample without the key) counts the
-      episode, so it is counted once.
+      episode, so it is counted once; ``metadata["end"]``: how the episode ended
+      (``"error"`` / ``"timeout"``: its agent failed, counted as ``agent_failed_<kind>``).
     - ``metadata["finish_reason"]``: ``"length"`` when the engine cut the completion at
       ``max_tokens`` (the ``length`` sample filter's ``drop_truncated`` drops those groups).
     """
