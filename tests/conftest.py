@@ -75,3 +75,27 @@ def stand_in_search_corpora(monkeypatch):
         return [{"id": "0", "title": "stand-in", "text": "a stand-in passage"}]
 
     monkeypatch.setattr(search, "read_corpus", read)
+
+
+@pytest.fixture
+def stand_in_model_config(tmp_path):
+    """``f(path) -> path``: a copy of a shipped RaaS config whose local model folders that nobody
+    prepared here (``runs/toy/models/init``, built by ``astralight prepare-toy``) are an empty
+    stand-in, since the RaaS parser refuses a missing local folder."""
+    from pathlib import Path
+
+    import yaml
+
+    from astralight.hf_models import is_local_path
+
+    def copy(path):
+        config = yaml.safe_load(Path(path).read_text())
+        for engine in (config.get("engines") or {}).values():
+            model = engine.get("model_path") if isinstance(engine, dict) else None
+            if isinstance(model, str) and is_local_path(model) and not Path(model).exists():
+                engine["model_path"] = str(tmp_path)
+        out = tmp_path / Path(path).name
+        out.write_text(yaml.safe_dump(config, sort_keys=False))
+        return out
+
+    return copy

@@ -166,23 +166,9 @@ def shortfalls(config, prompt_tokens: int) -> list[str]:
 
 
 def _parse(path: Path):
-    """The RaaS config as the RaaS parses it; a local model folder the config names but nobody
-    prepared here (``runs/toy/models/init``: built by ``astralight prepare-toy``) is swapped for
-    an empty stand-in, since the parser refuses a missing local folder and only lengths matter."""
-    import tempfile
-
-    from astralight.hf_models import is_local_path
     from raas.config import parse_config
 
-    config = yaml.safe_load(path.read_text())
-    stand_in = Path(tempfile.mkdtemp(prefix="stand-in-model-"))
-    for engine in (config.get("engines") or {}).values():
-        model = engine.get("model_path") if isinstance(engine, dict) else None
-        if isinstance(model, str) and is_local_path(model) and not Path(model).exists():
-            engine["model_path"] = str(stand_in)
-    copy = stand_in.parent / f"{stand_in.name}-{path.name}"
-    copy.write_text(yaml.safe_dump(config, sort_keys=False))
-    return parse_config(["--config", str(copy)])
+    return parse_config(["--config", str(path)])
 
 
 def test_configs_found():
@@ -192,8 +178,9 @@ def test_configs_found():
 
 
 @pytest.mark.parametrize("path", RAAS_CONFIGS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_every_engine_holds_its_longest_prompt_and_generation(path, stand_in_search_corpora):
-    config = _parse(path)
+def test_every_engine_holds_its_longest_prompt_and_generation(path, stand_in_search_corpora,
+                                                             stand_in_model_config):
+    config = _parse(stand_in_model_config(path))
     problems = shortfalls(config, _max_prompt_tokens(path))
     assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)
 

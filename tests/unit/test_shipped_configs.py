@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from astralight.launch.check import check_prompt_source
 from astralight.launch.recipe import RecipeError
@@ -58,20 +57,10 @@ def test_dataflow_config(path):
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if _kind(p) == "raas"],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_raas_config(path, stand_in_search_corpora, tmp_path):
-    from astralight.hf_models import is_local_path
+def test_raas_config(path, stand_in_search_corpora, stand_in_model_config):
     from raas.config import parse_config
 
-    # a local model folder the config names but nobody prepared here (runs/toy/models/init, by
-    # `astralight prepare-toy`): an empty stand-in, since the parser refuses a missing folder
-    config = yaml.safe_load(path.read_text())
-    for engine in (config.get("engines") or {}).values():
-        model = engine.get("model_path") if isinstance(engine, dict) else None
-        if isinstance(model, str) and is_local_path(model) and not Path(model).exists():
-            engine["model_path"] = str(tmp_path)
-    copy = tmp_path / path.name
-    copy.write_text(yaml.safe_dump(config, sort_keys=False))
-    config = parse_config(["--config", str(copy)])
+    config = parse_config(["--config", str(stand_in_model_config(path))])
     assert config.model_ids and set(config.model_ids) <= set(config.engines)
 
 
