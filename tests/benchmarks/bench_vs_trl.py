@@ -47,7 +47,8 @@ as TRL's GRPO by recipe keys alone, :data:`CONFIGS`: on-policy, one PPO-clip upd
 samples, TRL's learning rate, a float32 engine fed the exact float32 weights).
 
 Both arms' weights are kept in bf16 at ``--points`` evenly spaced wall times and evaluated
-afterwards. Accuracy is reported against wall time and against samples trained: each seed's
+afterwards; each accuracy is written to ``OUT_DIR/eval_cache.json`` as it is known, and
+``--evaluate-only`` evaluates (or finishes evaluating) the runs an earlier invocation trained. Accuracy is reported against wall time and against samples trained: each seed's
 curve is interpolated (linearly in samples) at ``samples_points``, evenly spaced up to the
 fewest samples any run reached.
 
@@ -508,6 +509,38 @@ def run_trl(out: Path, init: Path, budget_s: float, n_points: int, lr: float,
     return json.loads((out / "trl_curve.json").read_text())
 
 
+# ---------------------------------------------------------------------------------- evaluation
+
+
+def saved_run(out: Path, arm: str, seed: int) -> dict:
+    """The run of ``arm`` (astra or trl) for ``seed`` that an earlier invocation wrote."""
+    path = out / f"seed{seed}" / f"{arm}_curve.json"
+    if not path.exists():
+        raise SystemExit(f"--evaluate-only: {path} is missing: train seed {seed}'s {arm} arm "
+                         f"first (the same command without --evaluate-only)")
+    return {**json.loads(path.read_text()), "seed": seed}
+
+
+def evaluate_all(out: Path, init: Path, task: str, arms: list[list[dict]], log=print) -> None:
+    """Sets every curve row's ``acc``. Each snapshot is evaluated once, and its accuracy is
+    written to ``OUT/eval_cache.json`` as soon as it is known, so a stopped evaluation resumes
+    where it was (``--evaluate-only``) instead of losing an hour of figures."""
+    cache_path = out / "eval_cache.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    rows = [row for arm in arms for run in arm
+            for row in run["curve"] + run.get("sample_curve", [])]
+    todo = sorted({str(r.get("snapshot")) for r in rows} - set(cache))
+    for i, key in enumerate(todo, 1):
+        if key != "None" and not Path(key).exists():
+            raise SystemExit(f"snapshot {key} is missing (deleted after training?)")
+        t0 = time.monotonic()
+        cache[key] = evaluate(init, Path(key) if key != "None" else None, task)
+        cache_path.write_text(json.dumps(cache, indent=1))
+        log(f"[eval {i}/{len(todo)}] {key}: {cache[key]:.3f} ({time.monotonic() - t0:.0f} s)")
+    for row in rows:
+        row["acc"] = cache[str(row.get("snapshot"))]
+
+
 # ---------------------------------------------------------------------------------- figures
 
 
@@ -666,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=Path("runs/bench_vs_trl"))
     ap.add_argument("--png", type=Path, default=None, help="default: OUT_DIR/accuracy.png")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--evaluate-only", action="store_true",
+                    help="train nothing: evaluate the runs an earlier invocation left in "
+                         "--out-dir (seedN/astra_curve.json, seedN/trl_curve.json), reusing "
+                         "the accuracies it already wrote to eval_cache.json")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trl-seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--init", type=Path, default=None, help=argparse.SUPPRESS)
@@ -694,13 +731,19 @@ def main(argv: list[str] | None = None) -> int:
     overrides = config_keys(args.config, args.task, args.trl_lr) + args.astra_set
     astra: list[dict] | None = [] if "astra" in arms else None
     trl: list[dict] | None = [] if "trl" in arms else None
-    for seed in range(args.first_seed, args.first_seed + args.seeds):  # the arms interleaved, so load drifts touch both alike
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    if args.evaluate_only:  # the runs trained by an earlier invocation into --out-dir
+        astra = [saved_run(out, "astra", s) for s in seeds] if astra is not None else None
+        trl = [saved_run(out, "trl", s) for s in seeds] if trl is not None else None
+        seeds = ()
+    for seed in seeds:  # the arms interleaved, so load drifts touch both alike
         seed_out = out / f"seed{seed}"
         seed_out.mkdir(exist_ok=True)
         if astra is not None:
             run = run_astra(seed_out, init, args.budget_s, args.points, overrides, log,
                             args.task, seed)
             astra.append({**run, "seed": seed})
+            (seed_out / "astra_curve.json").write_text(json.dumps(run, indent=2))
             log(f"[bench] astra seed {seed} done; load {_load()}")
         if trl is not None:
             # TRL's weights are kept at astralight's sample counts too (same seed's run)
@@ -709,14 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                           seed, at)
             trl.append({**run, "seed": seed})
             log(f"[bench] trl seed {seed} done; load {_load()}")
-    cache: dict = {}
-    for arm in (a for a in (astra, trl) if a):
-        for run in arm:
-            for row in run["curve"] + run.get("sample_curve", []):
-                snap = row.get("snapshot")
-                if snap not in cache:
-                    cache[snap] = evaluate(init, Path(snap) if snap else None, args.task)
-                row["acc"] = cache[snap]
+    evaluate_all(out, init, args.task, [a for a in (astra, trl) if a], log)
     result = {"bench": "vs_trl", "task": args.task, "config": args.config, "seeds": args.seeds,
               "first_seed": args.first_seed,
               "budget_s": args.budget_s, "trl_lr": args.trl_lr, "astra_set": overrides,

@@ -196,3 +196,44 @@ def test_bad_arguments_name_the_flag_before_anything_runs(tmp_path, capsys, argv
         bench.main([*argv, "--out-dir", str(tmp_path / "out")])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_evaluation_writes_each_accuracy_as_it_goes_and_resumes_where_it_stopped(
+        tmp_path, monkeypatch):
+    snaps = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    for path in snaps:
+        path.write_bytes(b"")
+    runs = [[{"curve": [{"snapshot": None}, {"snapshot": str(snaps[0])}],
+              "sample_curve": [{"snapshot": str(snaps[1])}]}],
+            [{"curve": [{"snapshot": None}, {"snapshot": str(snaps[2])}]}]]
+    calls = []
+
+    def stopped_after_two(init, snapshot, task):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the evaluation is stopped part-way
+        calls.append(snapshot)
+        return 0.25 * len(calls)
+
+    monkeypatch.setattr(bench, "evaluate", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        bench.evaluate_all(tmp_path, tmp_path, "smollm2", runs, log=lambda *a: None)
+    kept = json.loads((tmp_path / "eval_cache.json").read_text())
+    assert len(kept) == 2  # both accuracies known before the stop were written
+
+    calls.clear()
+    monkeypatch.setattr(bench, "evaluate", lambda init, snapshot, task: calls.append(snapshot) or 0.9)
+    bench.evaluate_all(tmp_path, tmp_path, "smollm2", runs, log=lambda *a: None)
+    assert len(calls) == 2  # only the two left: nothing evaluated twice
+    accs = {row["snapshot"]: row["acc"] for arm in runs for run in arm
+            for row in run["curve"] + run.get("sample_curve", [])}
+    assert sorted(accs.values()) == sorted([*kept.values(), 0.9, 0.9])
+    assert len(json.loads((tmp_path / "eval_cache.json").read_text())) == 4
+
+
+def test_evaluate_only_names_the_missing_run_and_how_to_train_it(tmp_path):
+    with pytest.raises(SystemExit, match=r"seed0/astra_curve.json is missing: train seed 0's "
+                                         r"astra arm first"):
+        bench.saved_run(tmp_path, "astra", 0)
+    (tmp_path / "seed0").mkdir()
+    (tmp_path / "seed0" / "trl_curve.json").write_text(json.dumps({"curve": [{"t": 0}]}))
+    assert bench.saved_run(tmp_path, "trl", 0) == {"curve": [{"t": 0}], "seed": 0}
