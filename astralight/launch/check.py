@@ -473,7 +473,7 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     """
     from astralight.launch import _free_port, build_components, component_configs
     from astralight.launch.guard import GuardError, guard_settings
-    from astralight.launch.stop import StopError, resolve_versions
+    from astralight.launch.stop import StopError, resolve_versions, stop_settings, trainer_max_time_s
 
     t0 = time.monotonic()
     recipe_path = Path(recipe_path)
@@ -481,6 +481,7 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     result = CheckResult(recipe=str(recipe_path))
     try:  # stop.versions and the trainers' max_steps in step, as the launcher derives them
         recipe = resolve_versions(recipe)
+        stop_settings(recipe["stop"], trainer_max_time_s(recipe))
         guard_settings(recipe.get("guard"))
     except (StopError, GuardError) as exc:
         raise RecipeError(str(exc)) from None

@@ -3,7 +3,9 @@
 ``[   120s] version 40/150 | 2.1 s/version, ETA 3m51s | trained 10240 | rollouts ... | eval v0
 21.0% -> v40 63.5%``. The rate (:class:`ProgressRate`) is measured from the first publication
 this launch saw, so the start-up (prepare, vLLM, the first batch) does not distort it; the ETA
-is the versions left at that rate, or the ``stop.max_wall_s`` budget left when that comes first.
+is the versions left at that rate, or the time budget left (``stop.max_wall_s``, the trainer's
+``max_time``) when that comes first. A time-only run (no ``stop.versions``) shows ``version 40``
+with no target and its budget's ETA.
 """
 
 from __future__ import annotations
@@ -43,20 +45,29 @@ class ProgressRate:
         (t0, v0), (t1, v1) = self._since, self._latest
         return (v1 - v0) / (t1 - t0) if v1 > v0 and t1 > t0 else None
 
-    def text(self, now: float, version: int, target: int, budget_end: float | None = None) -> str:
-        """``2.1 s/version, ETA 3m51s`` (``versions/s`` when faster than one a second);
-        ``ETA ... (max_wall_s)`` when the time budget ends the run first."""
+    def text(self, now: float, version: int, target: int | None,
+             budgets: dict[str, float] | None = None) -> str:
+        """``2.1 s/version, ETA 3m51s`` (``versions/s`` when faster than one a second): the
+        ETA of whichever ends the run first, the ``target`` versions at this rate or a time
+        budget of ``budgets`` (``{"max_wall_s": end, "max_time": end}``, absolute times), named
+        in brackets when it is a budget. A time-only run (``target`` None) shows its budget's
+        ETA from the start, before any rate is known."""
         rate = self.per_second()
+        ends = sorted((end, name) for name, end in (budgets or {}).items() if end is not None)
         if rate is None:
+            if target is None and ends:
+                return f"rate --, ETA {duration(ends[0][0] - now)} ({ends[0][1]})"
             return "rate --"
         speed = f"{rate:.1f} versions/s" if rate >= 1 else f"{1 / rate:.1f} s/version"
-        eta = max(target - version, 0) / rate
-        if budget_end is not None and budget_end - now < eta:
-            return f"{speed}, ETA {duration(budget_end - now)} (max_wall_s)"
-        return f"{speed}, ETA {duration(eta)}"
+        if target is not None:
+            ends.append((now + max(target - version, 0) / rate, ""))
+        if not ends:
+            return speed
+        end, name = min(ends)
+        return f"{speed}, ETA {duration(end - now)}" + (f" ({name})" if name else "")
 
 
-def progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, dict],
+def progress_line(elapsed: float, target: int | None, stats: dict, evals: dict[int, dict],
                   model_id: str, rate_text: str = "") -> str:
     """One progress line from the dataflow's stats and eval table (``rate_text``: from
     :meth:`ProgressRate.text`)."""
@@ -74,7 +85,7 @@ def progress_line(elapsed: float, target: int, stats: dict, evals: dict[int, dic
     instances = stats.get("instances") or []
     if instances and all("live" in r for r in instances):  # the pool size, as it changes
         rollout_text += f" | raas {sum(1 for r in instances if r['live'])}"
-    return (f"[{elapsed:6.0f}s] version {version}/{target}"
+    return (f"[{elapsed:6.0f}s] version {version}{'' if target is None else f'/{target}'}"
             f"{' | ' + rate_text if rate_text else ''}"
             f" | trained {trained}{rollout_text}"
             f" | accepted {pol.get('samples_accepted', 0)}"

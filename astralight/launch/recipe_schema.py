@@ -65,7 +65,8 @@ class StopSection:
     """``stop``: when the run is over, and how long each wait may take."""
 
     versions: Optional[PositiveInt] = field(default=None, metadata=_help(
-        "policy versions to train, an int >= 1 (default: derived from the trainer's max_steps)"))
+        "policy versions to train, an int >= 1 (default: derived from the trainer's max_steps; "
+        "neither set with max_wall_s or the trainer's max_time: a time-only run)"))
     model_id: str = field(default="policy", metadata=_help("the policy whose versions count"))
     timeout_s: PositiveFloat = field(
         default=3600.0, metadata=_help("seconds, a number > 0 such as 900 (no units)"))

@@ -7,8 +7,12 @@ that every stop goes through.
 - ``versions``: policy versions to train (of ``model_id``, default ``policy``). Derived from the
   trainer's ``trainer.max_steps`` when missing, and the other way round
   (``versions = max_steps / every_n_steps`` of its WeightPublisher): state one of them. Both
-  stated and disagreeing is an error naming both keys (:func:`resolve_versions`).
-- ``max_wall_s``: a time budget, seconds since the launch started (prepare included).
+  stated and disagreeing is an error naming both keys (:func:`resolve_versions`). Neither
+  stated makes a *time-only* run, when a time budget is set: ``max_wall_s``, or the trainer's
+  own Lightning ``trainer.max_time``; the trainers then have no ``max_steps``.
+- ``max_wall_s``: a time budget, seconds since the launch started (prepare included). The
+  progress line's ETA is that of whichever budget ends first: the versions left at the
+  measured rate, ``max_wall_s``, or the trainer's ``max_time``.
 - ``target_accuracy``: stop once a complete evaluation reaches this avg@k.
 - ``timeout_s`` (default 3600): the hard limit; reaching it still writes the summary, and the run
   then fails (exit 1).
@@ -17,7 +21,8 @@ that every stop goes through.
 
 Every stop -- versions reached, trainers finished on their own (e.g. Lightning ``max_time``),
 ``max_wall_s``, ``target_accuracy``, ``timeout``, the run guard (``guard.stop``:
-:mod:`astralight.launch.guard`) -- goes through :class:`StopSequence`: trainers
+:mod:`astralight.launch.guard`), the first Ctrl-C or SIGTERM to the launcher (``interrupted``;
+a second one stops every component at once) -- goes through :class:`StopSequence`: trainers
 still running get SIGTERM, on which ``astralight fit`` ends its fit as if ``max_steps`` were
 reached (:mod:`astralight.graceful_stop`: the last checkpoint saved, the last version published);
 then the last version of each policy is evaluated (``POST /v1/eval``, whatever ``eval.every``
@@ -42,7 +47,9 @@ MAX_WALL = "max_wall_s"
 TARGET_ACCURACY = "target_accuracy"
 TIMEOUT = "timeout"
 GUARD = "guard"                          # the run guard saw a collapse (guard.stop: true)
-STOP_REASONS = (VERSIONS, TRAINERS_FINISHED, MAX_WALL, TARGET_ACCURACY, TIMEOUT, GUARD)
+INTERRUPTED = "interrupted"              # Ctrl-C or SIGTERM to the launcher
+STOP_REASONS = (VERSIONS, TRAINERS_FINISHED, MAX_WALL, TARGET_ACCURACY, TIMEOUT, GUARD,
+                INTERRUPTED)
 
 #: seconds a politely stopped trainer gets on top of ``final_eval_timeout_s`` (its
 #: DataflowMonitor may wait for the final evaluation before it exits) before SIGINT
@@ -58,9 +65,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def stop_settings(spec: Any) -> dict:
+def stop_settings(spec: Any, max_time_s: float | None = None) -> dict:
     """``recipe.stop`` with defaults filled in, checked: every problem names its key. Run after
-    :func:`resolve_versions`, so ``versions`` is known."""
+    :func:`resolve_versions`, so ``versions`` is known, or None for a time-only run (which
+    needs ``max_wall_s`` or ``max_time_s``, the primary trainer's ``max_time``:
+    :func:`trainer_max_time_s`). The result adds it as ``trainer_max_time_s``."""
     if not isinstance(spec, dict):
         raise StopError("recipe.stop: must be a mapping, e.g. {versions: 150, max_wall_s: 600}")
     unknown = sorted(set(spec) - set(STOP_DEFAULTS))
@@ -71,9 +80,14 @@ def stop_settings(spec: Any) -> dict:
         raise StopError(f"recipe.stop.model_id: must be a policy's model_id, "
                         f"got {out['model_id']!r}")
     versions = out["versions"]
-    if isinstance(versions, bool) or not isinstance(versions, int) or versions < 1:
+    if versions is None and out["max_wall_s"] is None and max_time_s is None:
+        raise StopError("recipe.stop.versions: not set, and no time budget either; set "
+                        "stop.versions, or stop.max_wall_s for a time-only run")
+    if versions is not None and (isinstance(versions, bool) or not isinstance(versions, int)
+                                 or versions < 1):
         raise StopError(f"recipe.stop.versions: must be a positive int (policy versions to train),"
                         f" got {versions!r}")
+    out["trainer_max_time_s"] = max_time_s
     for key in ("max_wall_s", "timeout_s", "progress_every_s"):
         value = out[key]
         if value is not None and (not _number(value) or value <= 0):
@@ -114,6 +128,44 @@ def publisher_every_n_steps(trainer_cfg: dict) -> int | None:
     return None
 
 
+def max_time_seconds(value: Any, key: str) -> float | None:
+    """Lightning's ``trainer.max_time`` in seconds: ``"DD:HH:MM:SS"``, a mapping of
+    ``days``/``hours``/``minutes``/``seconds``, or a timedelta; None when unset."""
+    import datetime
+
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    units = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+    try:
+        if isinstance(value, str):
+            parts = [float(x) for x in value.split(":")]
+            if len(parts) != 4 or min(parts) < 0:
+                raise ValueError
+            seconds = sum(p * u for p, u in zip(parts, units.values()))
+        elif isinstance(value, dict) and value and set(value) <= set(units):
+            seconds = sum(float(value[k]) * units[k] for k in value)
+        else:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise StopError(f"{key}: Lightning's max_time, as \"DD:HH:MM:SS\" (e.g. "
+                        f"\"00:00:30:00\") or {{hours: 0, minutes: 30}}, got {value!r}") from None
+    if seconds <= 0:
+        raise StopError(f"{key}: must be a time > 0, got {value!r}")
+    return seconds
+
+
+def trainer_max_time_s(recipe: dict) -> float | None:
+    """The ``trainer.max_time`` of the trainer of ``stop.model_id``, in seconds (None: unset)."""
+    model_id = (recipe.get("stop") or {}).get("model_id", STOP_DEFAULTS["model_id"])
+    for i, cfg in enumerate(recipe.get("trainers") or []):
+        if trainer_model_id(cfg, i) == model_id:
+            return max_time_seconds(((cfg or {}).get("trainer") or {}).get("max_time"),
+                                    f"recipe.trainers[{i}].trainer.max_time")
+    return None
+
+
 def _max_steps(trainer_cfg: dict, key: str) -> int | None:
     value = ((trainer_cfg or {}).get("trainer") or {}).get("max_steps")
     if value is None or value == -1:  # Lightning's "no limit"
@@ -132,7 +184,9 @@ def resolve_versions(recipe: dict) -> dict:
     ``max_steps`` (which must then be a multiple of ``every_n_steps``, else its last steps would
     never be published); a missing ``max_steps`` from ``stop.versions``; both given and
     disagreeing is a :class:`StopError` naming both keys. Other trainers without ``max_steps``
-    train as many versions. Returns a new dict; the input is not changed.
+    train as many versions. Neither given, with a time budget (``stop.max_wall_s`` or the
+    trainer's ``max_time``), is a time-only run: ``stop.versions`` stays None and no trainer
+    gets a ``max_steps``. Returns a new dict; the input is not changed.
     """
     out = copy.deepcopy(recipe)
     stop = out.get("stop")
@@ -157,9 +211,12 @@ def resolve_versions(recipe: dict) -> dict:
                 raise StopError(f"recipe.stop.versions: not set, and trainers[{i}] ({model_id}) "
                                 "has no WeightPublisher to derive it from; set stop.versions")
         elif versions is None and max_steps is None:
-            raise StopError(f"recipe.stop.versions: not set, and {key} neither; set one of them "
-                            f"(the other is derived: max_steps = versions x every_n_steps "
-                            f"= versions x {every})")
+            if stop.get("max_wall_s") is None and trainer_max_time_s(out) is None:
+                raise StopError(f"recipe.stop.versions: not set, and {key} neither; set one of "
+                                f"them (the other is derived: max_steps = versions x "
+                                f"every_n_steps = versions x {every}), or stop.max_wall_s for a "
+                                "time-only run")
+            stop["versions"] = None  # time-only: the budget ends it
         elif versions is None:
             if max_steps % every:
                 raise StopError(
@@ -183,7 +240,8 @@ def resolve_versions(recipe: dict) -> dict:
         if primary and j == primary[0][0]:
             continue
         every = publisher_every_n_steps(cfg)
-        if every is not None and _max_steps(cfg, f"recipe.trainers[{j}].trainer.max_steps") is None:
+        if every is not None and versions is not None \
+                and _max_steps(cfg, f"recipe.trainers[{j}].trainer.max_steps") is None:
             cfg.setdefault("trainer", {})["max_steps"] = versions * every
     return out
 
@@ -208,13 +266,14 @@ class StopConditions:
     def __init__(self, settings: dict, t_start: float):
         self.settings = settings
         self.t_start = t_start
-        self.target = int(settings["versions"])
+        self.target = int(settings["versions"]) if settings["versions"] is not None else None
 
     def reached(self, now: float, version: int, evals: dict[int, dict],
                 trainers_finished: bool) -> str | None:
         s = self.settings
         if trainers_finished:
-            return VERSIONS if version >= self.target else TRAINERS_FINISHED
+            reached = self.target is not None and version >= self.target
+            return VERSIONS if reached else TRAINERS_FINISHED
         best = complete_accuracy(evals)
         if s["target_accuracy"] is not None and best is not None \
                 and best[1] >= float(s["target_accuracy"]):
@@ -231,6 +290,8 @@ class StopConditions:
         s = self.settings
         if reason == VERSIONS:
             return f"stop.versions={self.target} reached"
+        if reason == TRAINERS_FINISHED and self.target is None:
+            return f"the trainers finished at version {version} (a trainer limit such as max_time)"
         if reason == TRAINERS_FINISHED:
             return (f"the trainers finished at version {version}, before stop.versions="
                     f"{self.target} (a trainer limit such as max_time)")
@@ -331,6 +392,6 @@ class StopSequence:
 
 
 __all__ = ["STOP_DEFAULTS", "STOP_REASONS", "VERSIONS", "TRAINERS_FINISHED", "MAX_WALL",
-           "TARGET_ACCURACY", "TIMEOUT", "TRAINER_GRACE_S", "StopError", "stop_settings",
-           "trainer_model_id", "publisher_every_n_steps", "resolve_versions",
+           "TARGET_ACCURACY", "TIMEOUT", "GUARD", "INTERRUPTED", "TRAINER_GRACE_S", "StopError",
+           "stop_settings", "max_time_seconds", "trainer_max_time_s", "trainer_model_id", "publisher_every_n_steps", "resolve_versions",
            "complete_accuracy", "StopConditions", "StopSequence"]

@@ -125,6 +125,7 @@ def test_defaults_change_nothing():
     ({"k": 4, "pass_k": [8]}, r"eval\.pass_k: k=8 exceeds eval\.n=4"),  # n defaults to k
     ({"n": 0}, r"eval\.n: must be a positive"),
     ({"k": 2, "pass_k": [0]}, r"eval\.pass_k: every k must be a positive int"),
+    ({"every": 0}, r"eval\.every: must be > 0, got 0"),
 ])
 def test_k_above_n_is_a_config_error_naming_the_field_and_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):

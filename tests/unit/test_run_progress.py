@@ -22,7 +22,30 @@ def test_rate_from_the_first_publication_and_eta():
     rate.update(132.0, 31)
     assert rate.text(132.0, 31, 150).startswith("1.4 versions/s")
     # a time budget that ends the run first
-    assert rate.text(132.0, 31, 150, budget_end=160.0) == "1.4 versions/s, ETA 28s (max_wall_s)"
+    assert rate.text(132.0, 31, 150, {"max_wall_s": 160.0}) == \
+        "1.4 versions/s, ETA 28s (max_wall_s)"
+    # the trainer's max_time ending before both: named as such
+    assert rate.text(132.0, 31, 150, {"max_wall_s": 160.0, "max_time": 150.0}) == \
+        "1.4 versions/s, ETA 18s (max_time)"
+    # budgets that end later than the versions leave the versions' ETA
+    assert rate.text(132.0, 31, 150, {"max_wall_s": 9999.0, "max_time": None}) == \
+        "1.4 versions/s, ETA 1m27s"  # 119 versions at 30/22 per second
+
+
+def test_a_time_only_run_has_no_target_and_its_budgets_eta_from_the_start():
+    rate = ProgressRate()
+    rate.update(0.0, 0)
+    # before any publication: the budget's ETA alone, not 'rate --' and not a placeholder target
+    assert rate.text(100.0, 0, None, {"max_wall_s": 700.0}) == "rate --, ETA 10m00s (max_wall_s)"
+    assert rate.text(100.0, 0, None) == "rate --"
+    rate.update(110.0, 1)
+    rate.update(130.0, 11)
+    assert rate.text(130.0, 11, None, {"max_wall_s": 700.0, "max_time": 3730.0}) == \
+        "2.0 s/version, ETA 9m30s (max_wall_s)"
+    assert rate.text(130.0, 11, None, {}) == "2.0 s/version"
+    stats = {"models": {"policy": {"current_version": 40}}}
+    line = progress_line(120.0, None, stats, {}, "policy", "2.1 s/version")
+    assert line.startswith("[   120s] version 40 | 2.1 s/version | trained 0")
 
 
 def test_a_resumed_run_measures_from_its_own_first_publication():

@@ -11,7 +11,8 @@ import pytest
 
 from astralight.launch.stop import (MAX_WALL, TARGET_ACCURACY, TIMEOUT, TRAINER_GRACE_S,
                                  TRAINERS_FINISHED, VERSIONS, StopConditions, StopError,
-                                 StopSequence, resolve_versions, stop_settings)
+                                 StopSequence, max_time_seconds, resolve_versions, stop_settings,
+                                 trainer_max_time_s)
 
 
 def recipe(versions=None, max_steps=None, every=1, publisher=True, model_id="policy") -> dict:
@@ -68,6 +69,49 @@ def test_neither_set_names_both_keys():
     with pytest.raises(StopError, match="no trainer trains stop.model_id 'policy'"):
         resolve_versions(recipe(max_steps=10, model_id="solver"))
     assert resolve_versions(recipe(versions=3, publisher=False))["stop"]["versions"] == 3
+
+
+def test_a_time_budget_alone_makes_a_time_only_run():
+    r = recipe()
+    r["stop"]["max_wall_s"] = 600
+    r["trainers"].append({"trainer": {"callbacks": [
+        {"class_path": "astralight.callbacks.WeightPublisher", "init_args": {"every_n_steps": 3}}]},
+        "model": {"init_args": {"model_id": "verifier"}}})
+    out = resolve_versions(r)
+    assert out["stop"]["versions"] is None  # no placeholder count
+    assert all("max_steps" not in t["trainer"] for t in out["trainers"])  # the budget ends them
+    settings = stop_settings(out["stop"], trainer_max_time_s(out))
+    assert settings["versions"] is None and settings["trainer_max_time_s"] is None
+    # the trainer's own Lightning max_time is a budget too
+    r = recipe()
+    r["trainers"][0]["trainer"]["max_time"] = "00:00:30:00"
+    out = resolve_versions(r)
+    assert out["stop"]["versions"] is None and trainer_max_time_s(out) == 1800.0
+    assert stop_settings(out["stop"], 1800.0)["trainer_max_time_s"] == 1800.0
+    # neither a count nor a budget: refused, naming the time-only way out
+    with pytest.raises(StopError, match="or stop.max_wall_s for a time-only run"):
+        stop_settings({"model_id": "policy"})
+
+
+def test_lightnings_max_time_forms_are_read_and_bad_ones_named():
+    import datetime
+
+    assert max_time_seconds("01:02:03:04", "k") == 86400 + 7200 + 180 + 4
+    assert max_time_seconds({"hours": 1, "minutes": 30}, "k") == 5400
+    assert max_time_seconds(datetime.timedelta(minutes=2), "k") == 120
+    assert max_time_seconds(None, "k") is None
+    for bad in ("30m", "00:30:00", {"hour": 1}, 5, "00:00:00:00"):
+        with pytest.raises(StopError, match=r"recipe.trainers\[0\].trainer.max_time"):
+            max_time_seconds(bad, "recipe.trainers[0].trainer.max_time")
+
+
+def test_a_time_only_run_stops_on_its_budget_or_when_its_trainers_finish():
+    c = StopConditions(stop_settings({"max_wall_s": 100}), t_start=1000.0)
+    assert c.reached(1050.0, 500, {}, False) is None  # no version count ends it
+    assert c.reached(1100.0, 600, {}, False) == MAX_WALL
+    assert c.reached(1050.0, 40, {}, True) == TRAINERS_FINISHED
+    assert c.describe(TRAINERS_FINISHED, 40, {}) == ("the trainers finished at version 40 (a "
+                                                     "trainer limit such as max_time)")
 
 
 def test_other_trainers_without_max_steps_train_as_many_versions():
