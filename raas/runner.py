@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astralight.raas.membership import RUN_CHANGED_EXIT, _field, _status, refused_secret
+from astralight.raas.weight_sync import EngineConfigError
 from astralight.supervise import EXIT_USAGE
 from astralight.workflows.base import BrokenWorkflowError, as_episode_runner
 
@@ -381,6 +382,10 @@ class EpisodeRunner:
         start = time.perf_counter()
         try:
             await self._catch_up(task)
+        except EngineConfigError as exc:  # no version will ever load: stop, naming why
+            await self._return(task, run, False, "its weight version cannot be loaded")
+            self._stop_on_config_error(exc)
+            return
         except Exception as exc:  # not the task's fault: another instance may run it
             log.error("task %s: could not load the version it needs (%s); returned",
                       task.task_id, exc)
@@ -390,10 +395,8 @@ class EpisodeRunner:
             samples = await self.workflow.run(task, svc.engines)
         except BrokenWorkflowError as exc:  # every episode fails alike: nothing to train on
             svc.counters.add(workflow_errors=1)
-            svc.say(f"raas exiting {EXIT_USAGE}: the workflow is broken: {exc}")
             await self._return(task, run, True, "the workflow is broken")
-            self.exit_code = EXIT_USAGE
-            svc.stop_event.set()
+            self._exit_usage(f"the workflow is broken: {exc}")
             return
         except Exception:
             svc.counters.add(workflow_errors=1)
@@ -475,6 +478,17 @@ class EpisodeRunner:
         # pull of a whole model every second would swamp the dataflow)
         await self._nap(max([RESYNC_RETRY_S] + [svc.syncs[m].retry_in() for m in stale]))
 
+    def _exit_usage(self, why: str) -> None:
+        """Stop the service with exit 2 (a usage or config error: the launcher shows this line
+        and the log's tail, and restarts nothing), ``why`` on its own line."""
+        self.service.say(f"raas exiting {EXIT_USAGE}: {why}")
+        self.exit_code = EXIT_USAGE
+        self.service.stop_event.set()
+
+    def _stop_on_config_error(self, exc: EngineConfigError) -> None:
+        self._exit_usage(f"a published weight version cannot be loaded by this engine as "
+                         f"configured, so every rollout would go stale: {exc}")
+
     async def _refresh_once(self) -> None:
         for sync in self.service.syncs.values():
             await self.loop.run_in_executor(self._weights, sync.refresh)
@@ -486,6 +500,9 @@ class EpisodeRunner:
         while True:
             try:
                 await self._refresh_once()
+            except EngineConfigError as exc:
+                self._stop_on_config_error(exc)
+                return
             except Exception as exc:  # noqa: BLE001 - the sync logged, counted and backs off
                 log.debug("weight refresh failed: %s", exc)
             await asyncio.sleep(interval)

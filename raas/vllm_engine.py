@@ -514,7 +514,9 @@ class VLLMEngine(EngineBase):
         from vllm.lora.request import LoRARequest
 
         if not self.enable_lora:
-            raise RuntimeError("update_adapter: this engine was started without LoRA support; "
+            from astralight.raas.weight_sync import EngineConfigError
+
+            raise EngineConfigError("update_adapter: this engine was started without LoRA support; "
                                "set enable_lora: true (and max_lora_rank >= the adapter's r) in "
                                "its engine config, or publish merged weights (lora.publish: merged)")
         if not named_tensors:

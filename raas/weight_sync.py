@@ -86,6 +86,13 @@ class WeightSyncError(RuntimeError):
     """The weight store's manifests cannot lead to a usable version."""
 
 
+class EngineConfigError(WeightSyncError):
+    """A version the engine, as it was started, can never load (a LoRA adapter for an engine
+    without adapter support). Retrying cannot help, and serving on would leave every rollout of
+    an ever older version to be dropped as stale: the RaaS stops with exit 2, a config error
+    the launcher shows and does not restart."""
+
+
 class RunChanged(WeightSyncError):
     """The dataflow's run changed while a version of the old run was being downloaded: it is
     discarded (never installed), and the next check follows the new run."""
@@ -499,7 +506,7 @@ class WeightSync:
         adapter tensors are not parameters of the base model)."""
         load = getattr(self.engine, "update_adapter", None)
         if load is None:
-            raise WeightSyncError(
+            raise EngineConfigError(
                 f"{self.model_id}: v{version} is a LoRA adapter (manifest metadata.adapter) but "
                 f"the engine {type(self.engine).__name__} cannot serve adapters; start it with "
                 "enable_lora: true (VLLMEngine) or have the trainer publish merged weights "

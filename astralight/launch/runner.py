@@ -54,9 +54,11 @@ from astralight.launch.recipe import (
 )
 from astralight.launch.balance import AUTOSCALE, FIXED, BalanceLog
 from astralight.launch.guard import GuardError, RunGuard, TrainCurves, guard_settings
+from astralight.launch.log_watch import ErrorWatch, StaleWatch
 from astralight.launch.progress import ProgressRate, progress_line
-from astralight.launch.stop import (GUARD, TIMEOUT, StopConditions, StopError, StopSequence,
-                                 resolve_versions, stop_settings)
+from astralight.launch.stop import (GUARD, INTERRUPTED, TIMEOUT, StopConditions, StopError,
+                                 StopSequence,
+                                 resolve_versions, stop_settings, trainer_max_time_s)
 from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
                                     wall_s_to_accuracy, write_summary)
@@ -104,13 +106,16 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
         pool.close()
         raise
     previous_term = _stop_on_sigterm()
+    summary, hard_stop = None, False
     try:
         launch.start_components()
         launch.watch()
         summary = launch.summary()
-    except KeyboardInterrupt:
-        print("\n[launch] interrupted: stopping components", flush=True)
-        raise
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before every component was started
+        hard_stop = True
+        print("\n[launch] interrupted again: stopping every component now (no final checkpoint "
+              "or evaluation)", flush=True)
+        summary = launch.summary_if_possible(INTERRUPTED)
     except GiveUp as exc:
         raise RuntimeError(str(exc)) from None
     finally:
@@ -120,8 +125,15 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
             signal.signal(signal.SIGTERM, previous_term)
         print("[launch] all components stopped", flush=True)
     # the full record in summary.json; on the terminal (and in launch.log) one short line, last
-    write_summary(launch.run_dir, summary)
-    print(short_line(summary), flush=True)
+    if summary is not None:
+        write_summary(launch.run_dir, summary)
+    if summary is None or summary["stop_reason"] == INTERRUPTED:
+        print(f"[launch] interrupted; resume with: astralight run --resume {launch.run_dir}",
+              flush=True)
+    if summary is not None:
+        print(short_line(summary), flush=True)
+    if hard_stop or summary["stop_reason"] == INTERRUPTED:
+        raise KeyboardInterrupt  # exit 130: the run did not end as its recipe says
     launch.check_outcome(summary)
     return summary
 
@@ -172,7 +184,7 @@ def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: Pre
     use_pythonpath(recipe)
     try:  # stop.versions and max_steps in step, stop's defaults; the guard's settings
         resolved = resolve_versions(recipe)
-        stop = stop_settings(resolved["stop"])
+        stop = stop_settings(resolved["stop"], trainer_max_time_s(resolved))
         guard_settings(recipe.get("guard"))
     except (StopError, GuardError) as exc:
         raise RecipeError(str(exc)) from None
@@ -237,10 +249,14 @@ class Launch:
         port = int(recipe.get("port") or _free_port())
         self.url = f"http://127.0.0.1:{port}"
         self.recipe = self._prepared(recipe)
-        self.model_id, self.target = stop["model_id"], int(stop["versions"])
+        self.model_id, self.target = stop["model_id"], stop["versions"]  # None: time-only
+        self.trainer_started: float | None = None  # its first start this launch (max_time)
         self.guard = RunGuard(guard_settings(recipe.get("guard")), TrainCurves(self.run_dir).read)
         self.comps = build_components(self.recipe, self.run_dir, self.url, port,
                                       base_env if base_env is not None else _component_env())
+        # errors in the components' logs from now on, and a mostly stale rollout stream
+        self.errors = ErrorWatch({c.name: c.log_path for c in self.comps})
+        self.stale = StaleWatch()
         # where the run stood just after each crash, (version, rollouts) from the first stats
         # read after it: progress beyond that tells when the restarted component recovered
         self.marks: dict[int, tuple[int, int]] = {}
@@ -252,6 +268,7 @@ class Launch:
         self.evals: dict = {}
         self.sequence: StopSequence | None = None
         self.stop_detail = ""
+        self.this_launch: dict | None = None  # this launch's record, once its summary is made
 
     # ------------------------------------------------------------------ setting up
 
@@ -288,6 +305,8 @@ class Launch:
         if comp.kind == "trainer" and (self.resume or comp.lifetimes):
             comp.extra_argv, note = _trainer_resume_args(comp, self.run_dir)
         comp.start(None if comp.lifetimes else self.pool)  # a restart starts fresh
+        if comp.kind == "trainer" and self.trainer_started is None:
+            self.trainer_started = time.time()
         write_pids(self.run_dir, self.comps)
         return note
 
@@ -304,7 +323,7 @@ class Launch:
         """A crash seen or a restart done: ``pids.json`` and ``launch_state.json`` follow."""
         if event.restarted_at is None:  # a crash just seen
             write_pids(self.run_dir, self.comps)
-        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps, self.this_launch)
 
     def start_components(self) -> None:
         """The dataflow first, once it answers the others, in order."""
@@ -329,13 +348,27 @@ class Launch:
                 timeout_s += settings["drain_timeout_s"] + settings["kill_after_s"]
             comp.stop(comp.stop_signal, timeout_s=timeout_s)
         write_pids(self.run_dir, self.comps)
-        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+        _save_launch_state(self.run_dir, self.prior, self.sup, self.comps, self.this_launch)
 
     # ------------------------------------------------------------------ watching
 
     def watch(self) -> None:
-        """Poll the run every second -- supervise, read the dataflow, print progress -- until a
-        stop condition is reached and its stop sequence has finished."""
+        """:meth:`_watch`, where the first Ctrl-C (or SIGTERM) is the normal stop: the trainers
+        finish their step, checkpoint and publish, the last version is evaluated, the summary
+        says ``interrupted``. A second one (or one while another stop is under way, or before
+        the dataflow answered) raises KeyboardInterrupt: every component is stopped at once."""
+        self._init_watch()
+        try:
+            self._watch()
+        except KeyboardInterrupt:
+            if self.sequence is not None or not self.stats:
+                raise
+            self._begin_stop(INTERRUPTED, time.time(), "interrupted (Ctrl-C or SIGTERM): "
+                             "stopping as at the end of a run; Ctrl-C again stops at once")
+            self._watch()
+
+    def _init_watch(self) -> None:
+        """What the watch keeps, set once (a watch resumed after a Ctrl-C keeps it)."""
         recipe, stop = self.recipe, self.stop
         # the dataflow's balance report, in contiguous windows of `balance.every` versions
         pool_mode = AUTOSCALE if recipe.get("autoscale") is not None else FIXED
@@ -347,14 +380,17 @@ class Launch:
         self.eval_models = (self.policies if (recipe["dataflow"].get("eval") or {}).get("source")
                             else [])
         self.conditions, self.rate = StopConditions(stop, self.t_start), ProgressRate()
-        self.budget_end = self.t_start + stop["max_wall_s"] if stop["max_wall_s"] else None
+
+    def _watch(self) -> None:
+        """Poll the run every second -- supervise, read the dataflow, print progress -- until a
+        stop condition is reached and its stop sequence has finished."""
         last_print = 0.0
         while True:
             time.sleep(1.0)
             now = time.time()
             self.sup.poll(now)
             version = self._poll(now)
-            if now - last_print >= float(stop["progress_every_s"]):
+            if now - last_print >= float(self.stop["progress_every_s"]):
                 self._look_for_collapse(now, version)
                 self._print_progress(now, version)
                 last_print = now
@@ -362,6 +398,7 @@ class Launch:
                 self._begin_stop_if_reached(now, version)
             if self.sequence is not None and self.stats and self._stop_step(now):
                 return
+
 
     def _poll(self, now: float) -> int:
         """One read of the dataflow: stats (empty when it does not answer), recoveries, the
@@ -402,8 +439,15 @@ class Launch:
         """The progress line (kept in launch.log only when quiet)."""
         line = progress_line(now - self.t_start, self.target, self.stats, self.evals,
                              self.model_id, self.rate.text(now, version, self.target,
-                                                           self.budget_end))
+                                                           self._budgets()))
         line += self.guard.progress_text()
+        pol = policy_stats(self.stats, self.model_id)
+        if self.stats:
+            self.stale.update(int(pol.get("rollouts_generated") or 0),
+                              int(pol.get("stale_dropped") or 0))
+        line += self.stale.text()
+        self.errors.poll()
+        line += self.errors.text()
         down = self.sup.down()
         line += f" | restarting {sorted(down)}" if down else ""
         sequence = self.sequence
@@ -412,18 +456,31 @@ class Launch:
             self.launch_log.note(line)
         else:
             print(line, flush=True)
+        warning = self.stale.warning(now) if self.sequence is None else None
+        if warning:
+            print(warning, flush=True)
+
+    def _budgets(self) -> dict[str, float | None]:
+        """When each time budget ends (absolute times): ``stop.max_wall_s`` from the launch's
+        start, the trainer's ``max_time`` from its first start in this launch (a resumed fit
+        also counts its earlier sessions' time, so its end may come sooner)."""
+        stop, started = self.stop, self.trainer_started
+        return {"max_wall_s": self.t_start + stop["max_wall_s"] if stop["max_wall_s"] else None,
+                "max_time": (started + stop["trainer_max_time_s"]
+                             if stop.get("trainer_max_time_s") and started else None)}
 
     def _begin_stop_if_reached(self, now: float, version: int) -> None:
         """Start the stop sequence once a stop condition is reached."""
         reason = self.conditions.reached(now, version, self.evals, self.sup.finished_trainers())
         if reason is None and self.guard.stop_requested:
-            reason = GUARD
-            self.stop_detail = f"guard.stop: {self.guard.events[0].message}"
-        elif reason is None:
-            return
-        else:
-            self.stop_detail = self.conditions.describe(reason, version, self.evals)
-        print(f"[launch] stopping: {self.stop_detail}", flush=True)
+            self._begin_stop(GUARD, now, f"guard.stop: {self.guard.events[0].message}")
+        elif reason is not None:
+            self._begin_stop(reason, now, self.conditions.describe(reason, version, self.evals))
+
+    def _begin_stop(self, reason: str, now: float, detail: str) -> None:
+        """Say why, and start the stop sequence (:class:`StopSequence`) for ``reason``."""
+        self.stop_detail = detail
+        print(f"{chr(10) if reason == INTERRUPTED else ''}[launch] stopping: {detail}", flush=True)
         self.sequence = StopSequence(
             reason, now, [c for c in self.comps if c.kind == "trainer"], self.eval_models,
             self.stop["final_eval_timeout_s"], request_eval=_eval_requester(self.url),
@@ -454,11 +511,13 @@ class Launch:
         self.balance.finish(final_version)
         per_version = _per_version_counters(url, model_id)
         summary = build_summary(self.stats, evals, per_version, model_id, final_version)
-        summary["stop_reason"] = sequence.reason
-        summary["stop"] = {"reason": sequence.reason, "detail": self.stop_detail,
-                           "at_s": round(sequence.started_at - self.t_start, 1),
-                           "final_versions": sequence.final_versions,
-                           "final_eval_complete": sequence.eval_complete}
+        reason = sequence.reason if sequence is not None else INTERRUPTED
+        summary["stop_reason"] = reason
+        summary["stop"] = {"reason": reason, "detail": self.stop_detail or "interrupted",
+                           "at_s": round((sequence.started_at if sequence else time.time())
+                                         - self.t_start, 1),
+                           "final_versions": sequence.final_versions if sequence else {},
+                           "final_eval_complete": bool(sequence and sequence.eval_complete)}
         summary["balance"] = self.balance.last
         summary["guard_events"] = [event.as_dict() for event in self.guard.events]
         summary["warnings"] = [f"{event.kind} ({event.source})" for event in self.guard.events]
@@ -466,25 +525,46 @@ class Launch:
         summary["wall_s_to_085"] = wall_s_to_accuracy(
             Path(self.recipe["dataflow"].get("state_dir") or self.run_dir / "dataflow"), model_id,
             evals, TIME_TO_ACCURACY)
-        state = _save_launch_state(self.run_dir, self.prior, self.sup, self.comps)
+        wall_s = round(time.time() - self.t_start, 1)
+        self.this_launch = {"launch": len(self.prior["launches"]) + 1, "resumed": self.resume,
+                            "wall_s": wall_s, "stop_reason": reason,
+                            "version_end": final_version}
+        state = _save_launch_state(self.run_dir, self.prior, self.sup, self.comps,
+                                   self.this_launch)
         summary["trainer_seconds"] = state["trainer_seconds"]
         summary.update(restarts=state["restarts"], restart_events=state["restart_events"],
-                       resumes=state["resumes"])
+                       resumes=state["resumes"], launches=state["launches"],
+                       wall_s_total=round(sum(r["wall_s"] for r in state["launches"]), 1))
         if self.recipe.get("autoscale") is not None:
             summary["pool"] = read_pool_history(self.run_dir / "autoscale.jsonl")
         if len(self.policies) > 1:  # multi-policy: every policy's final evaluation, side by side
             summary["policies"] = {m: final_eval(_eval_table(url, m)) for m in
                                    [model_id] + [p for p in self.policies if p != model_id]}
-        summary.update(recipe=self.name, wall_s=round(time.time() - self.t_start, 1),
-                       run_dir=str(self.run_dir))
+        summary.update(recipe=self.name, wall_s=wall_s, run_dir=str(self.run_dir))
         return summary
+
+    def summary_if_possible(self, reason: str) -> dict[str, Any] | None:
+        """The summary of a run stopped at once (a second Ctrl-C), if the dataflow answered at
+        least once: what it says now, ``stop_reason`` ``reason``, no final evaluation."""
+        if not self.stats:
+            return None
+        if self.sequence is None:
+            self.stop_detail = f"{reason}: stopped at once"
+        try:
+            if not hasattr(self, "balance"):
+                self._init_watch()
+            return self.summary()
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without one
+            print(f"[launch] no summary: {type(exc).__name__}: {exc}", flush=True)
+            return None
 
     def check_outcome(self, summary: dict) -> None:
         """Fail a run that timed out, or whose final evaluation did not complete."""
         stop, run_dir = self.stop, self.run_dir
         if summary["stop_reason"] == TIMEOUT:
+            of = f" of {self.target}" if self.target is not None else ""
             raise RuntimeError(f"the run reached stop.timeout_s={stop['timeout_s']:g} at version "
-                               f"{summary['versions']} of {self.target}; its summary is in "
+                               f"{summary['versions']}{of}; its summary is in "
                                f"{run_dir / 'summary.json'} (raise stop.timeout_s, or set "
                                "stop.max_wall_s for a time budget that ends the run successfully)")
         if ((self.recipe["dataflow"].get("eval") or {}).get("source")

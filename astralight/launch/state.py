@@ -1,5 +1,5 @@
 """The launcher's run-folder state: ``launch_state.json`` (restarts, trainer time and resumptions,
-added up over launches), atomic writes, and the trainers' checkpoints a restart or ``--resume``
+added up over launches, and one record per launch that ended with a summary), atomic writes, and the trainers' checkpoints a restart or ``--resume``
 continues from."""
 
 from __future__ import annotations
@@ -64,11 +64,14 @@ def _load_launch_state(run_dir: Path) -> dict:
     state.setdefault("restart_events", [])
     state.setdefault("trainer_seconds", 0.0)
     state.setdefault("resumes", 0)
+    state.setdefault("launches", [])
     return state
 
 
-def _save_launch_state(run_dir: Path, prior: dict, sup: Supervisor, comps: list[Component]) -> dict:
-    """The run's restarts and trainer time so far, this launch's added to the earlier ones'."""
+def _save_launch_state(run_dir: Path, prior: dict, sup: Supervisor, comps: list[Component],
+                       this_launch: dict | None = None) -> dict:
+    """The run's restarts and trainer time so far, this launch's added to the earlier ones', and
+    ``launches``: the earlier launches' records, then ``this_launch``'s (once it is known)."""
     restarts = dict(prior["restarts"])
     for name, n in sup.restarts.items():
         restarts[name] = restarts.get(name, 0) + n
@@ -76,7 +79,8 @@ def _save_launch_state(run_dir: Path, prior: dict, sup: Supervisor, comps: list[
              "restart_events": prior["restart_events"] + [e.as_dict() for e in sup.events],
              "trainer_seconds": round(prior["trainer_seconds"] + sum(
                  c.seconds_alive() for c in comps if c.kind == "trainer"), 1),
-             "resumes": prior["resumes"]}
+             "resumes": prior["resumes"],
+             "launches": prior["launches"] + ([this_launch] if this_launch else [])}
     write_atomic(run_dir / LAUNCH_STATE, json.dumps(state, indent=2))
     return state
 

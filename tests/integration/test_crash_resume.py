@@ -450,3 +450,59 @@ def test_run_resume_completes_an_interrupted_run_folder(tmp_path):
     assert "Restoring states from the checkpoint" in trainer_log
     acked = db_rows(run_dir / "dataflow", "SELECT COUNT(*) FROM samples WHERE state='acked'")[0][0]
     assert acked == summary["counters"]["samples_acked"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # ~2 minutes of real processes: CI runs it in its slow suite
+def test_ctrl_c_is_the_normal_stop_and_the_resume_finishes_the_run(tmp_path):
+    """The first Ctrl-C (SIGINT to the launcher) runs the normal stop: the trainer finishes its
+    step, checkpoints and publishes, the last version is evaluated, the summary says
+    ``interrupted`` and the resume command is printed; exit 130. ``--resume`` then finishes the
+    run, and the summary labels each launch."""
+    import torch
+    run_dir = tmp_path / "run"
+    log = tmp_path / "launch-1.log"
+    recipe = crash_recipe(tmp_path, versions=30)
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
+                                     str(recipe), "--run-dir", str(run_dir)],
+                                    stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(read_pids(run_dir)) == 3, 300, "every component started", launcher, log)
+        url = dataflow_url(run_dir)
+        wait_for(lambda: current_version(url) >= 3, 300, "version 3", launcher, log)
+        launcher.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the launcher
+        assert launcher.wait(timeout=400) == 130, log.read_text()[-5000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert "[launch] stopping: interrupted (Ctrl-C or SIGTERM)" in text
+    assert f"resume with: astralight run --resume {run_dir}" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    first = summary["versions"]
+    assert summary["stop_reason"] == "interrupted" and 3 <= first < 30
+    assert summary["stop"]["final_eval_complete"] and summary["eval_version_end"] == first
+    assert [r["stop_reason"] for r in summary["launches"]] == ["interrupted"]
+    # the trainer stopped politely: no traceback, its last checkpoint at its last step
+    trainer_log = (run_dir / "logs" / "trainer-policy.log").read_text(errors="replace")
+    assert "SIGTERM: finishing the current step" in trainer_log
+    assert "Traceback" not in trainer_log and "KeyboardInterrupt" not in trainer_log
+    ckpt = torch.load(run_dir / "checkpoints" / "policy" / "last.ckpt", map_location="cpu",
+                      weights_only=False)
+    assert ckpt["global_step"] == first
+    assert read_pids(run_dir) == {}  # everything stopped
+
+    proc = subprocess.run([sys.executable, "-m", "astralight.cli", "run", "--resume", str(run_dir)],
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["versions"] == 30 and summary["stop_reason"] == "versions"
+    launches = summary["launches"]
+    assert [(r["launch"], r["resumed"], r["stop_reason"]) for r in launches] == \
+        [(1, False, "interrupted"), (2, True, "versions")]
+    assert launches[0]["version_end"] == first and launches[1]["version_end"] == 30
+    assert summary["wall_s"] == launches[1]["wall_s"]
+    assert summary["wall_s_total"] == pytest.approx(launches[0]["wall_s"] + launches[1]["wall_s"],
+                                                    abs=0.2)
+    assert summary["eval_versions"][0] == 0  # the whole run's evaluations

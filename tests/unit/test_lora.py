@@ -462,7 +462,7 @@ def test_weight_sync_hands_adapter_versions_to_the_adapter_path():
 
 
 def test_an_engine_without_adapter_support_keeps_its_version_and_says_why():
-    from astralight.raas.weight_sync import WeightSync
+    from astralight.raas.weight_sync import EngineConfigError, WeightSync
 
     model = _wrapped(LoraSpec(r=4, alpha=8, target_modules=["q_proj"]))
     store = _Store()
@@ -470,7 +470,8 @@ def test_an_engine_without_adapter_support_keeps_its_version_and_says_why():
               {"adapter": {"type": "lora", "peft_config": adapter_config(model)}})
     engine = _Engine(adapters=False)
     sync = WeightSync(lambda: store, "policy", engine, background=False, check_interval_s=0.0)
-    with pytest.raises(RuntimeError, match="enable_lora"):
+    # a config error, not a passing failure: the RaaS stops on it (exit 2) instead of retrying
+    with pytest.raises(EngineConfigError, match="enable_lora"):
         sync.refresh()
     assert engine.version == 0 and engine.calls == []
     sync.close()

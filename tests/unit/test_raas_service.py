@@ -379,6 +379,33 @@ def test_a_broken_workflow_stops_the_raas_with_exit_2_naming_it():
     assert len(flow.leased) < 50  # it stopped leasing
 
 
+def test_a_weight_version_the_engine_can_never_load_stops_the_raas_with_exit_2():
+    """A LoRA adapter published to an engine started without enable_lora: retrying cannot help
+    and every rollout would go stale, so the RaaS stops with exit 2 and one line saying why (the
+    launcher shows it and restarts nothing) instead of serving an ever older version."""
+    from astralight.raas.weight_sync import EngineConfigError
+
+    flow = FakeDataflow([_task(i) for i in range(50)])
+    svc, out = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]),
+                        weight_check_interval_s=0.01)
+
+    def refresh(force=False):
+        raise EngineConfigError("update_adapter: this engine was started without LoRA support; "
+                                "set enable_lora: true")
+
+    svc.start()  # builds the weight syncs
+    assert svc.syncs
+    for sync in svc.syncs.values():
+        sync.refresh = refresh
+    try:
+        assert svc.serve() == 2
+    finally:
+        svc.close()
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("raas exiting 2"))
+    assert "cannot be loaded by this engine" in line and "enable_lora: true" in line
+    assert len(flow.leased) < 50  # it stopped leasing
+
+
 def test_a_weight_version_lands_between_batches_while_episodes_run():
     engine = ScriptedEngine(build_tokenizer(), ["82"], version=1)
     first = engine.generate_batch([[5, 6]], SamplingSpec(max_tokens=4))
