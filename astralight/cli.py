@@ -179,7 +179,7 @@ def _main(argv: list[str]) -> int:
     if command == "prepare-toy":
         from astralight.tasks.warmstart import main as prepare_main
 
-        return prepare_main(rest) or 0
+        return prepare_main(rest, prog="astralight prepare-toy") or 0
     print(f"astralight: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

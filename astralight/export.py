@@ -161,7 +161,7 @@ def _torch_load(path: Path, log: Callable[[str], Any]) -> Any:
 
 def _not_a_checkpoint(path: Path, why: str) -> ExportError:
     return ExportError(f"CKPT {path}: not a Lightning checkpoint ({why}); pass a checkpoint file "
-                       "(e.g. ckpt/last.ckpt) or a distributed-checkpoint folder (FSDP2's "
+                       "(e.g. RUN/checkpoints/policy/last.ckpt) or a distributed-checkpoint folder (FSDP2's "
                        "last.ckpt link, holding .metadata and meta.pt)")
 
 
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                     "policy's peft adapter (or, with --merge-lora, the merged model).")
     parser.add_argument("ckpt", metavar="CKPT",
                         help="checkpoint file, distributed-checkpoint folder, or a link to either "
-                             "(e.g. RUN/ckpt/last.ckpt)")
+                             "(e.g. RUN/checkpoints/policy/last.ckpt)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     parser.add_argument("--model-path", default=None, metavar="BASE_HF_DIR",
                         help="the base Hugging Face folder (default: the checkpoint's model_path)")

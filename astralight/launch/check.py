@@ -546,10 +546,17 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     return result
 
 
+#: VLLMEngine's ``max_lora_rank`` and LoraSpec's ``r`` when a config sets none (kept equal to the
+#: defaults there: tests/unit/test_recipe_check.py compares them)
+VLLM_ENGINE_MAX_LORA_RANK = 16
+LORA_DEFAULT_R = 8
+
+
 def _check_links(recipe: dict) -> None:
     """What no one component's parser sees: the recipe's fixed ``port`` is free, every trainer's
     policy is one of the dataflow's ``model_ids``, its data module reads that policy and, when it
-    publishes LoRA adapters, its engines load them (``enable_lora``), and every
+    publishes LoRA adapters, its engines load them (``enable_lora``, ``max_lora_rank`` >= the
+    adapter's ``r``), and every
     RaaS workflow answers to the dataflow's ``workflow`` name (the dataflow refuses a RaaS of
     another workflow at registration, and it would sit idle)."""
     import importlib
@@ -584,6 +591,15 @@ def _check_links(recipe: dict) -> None:
                         "which this engine cannot load, so the run would stall at version 1; "
                         "set enable_lora: true (and max_lora_rank >= lora.r), or publish: merged "
                         "(full weights as deltas; the faster choice on a CPU engine)")
+                rank = int((engine or {}).get("max_lora_rank", VLLM_ENGINE_MAX_LORA_RANK)) \
+                    if isinstance(engine, dict) and "class_path" not in engine else None
+                r = lora.get("r", LORA_DEFAULT_R)
+                if rank is not None and isinstance(r, int) and r > rank:
+                    raise RecipeError(
+                        f"recipe.raas[{j}].engines.{mid}.max_lora_rank: {rank}, below the "
+                        f"trainer's adapter rank (recipe.trainers[{i}].model.init_args.lora.r: "
+                        f"{r}); the engine would refuse every adapter version and the run would "
+                        f"stall at version 1; set max_lora_rank: {r} or more")
         data_mid = ((trainer.get("data") or {}).get("init_args") or {}).get("model_id")
         if data_mid is not None and data_mid != mid:
             raise RecipeError(f"recipe.trainers[{i}].data.init_args.model_id: {data_mid!r}, but "

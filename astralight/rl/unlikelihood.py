@@ -7,7 +7,7 @@ whose gradient on the chosen token's logit is ``|A| * (1 - pi)``: it vanishes ex
 policy is stuck. On a task whose answers must be *discovered* this is the plateau both astralight
 and TRL's GRPO reach: the policy collapses onto a wrong answer for every fact it had not found
 before its entropy fell, and never samples anything else again
-(``tests/benchmarks/bench_vs_trl.py``, README "Discovery tasks").
+(``tests/benchmarks/bench_vs_trl.py``, docs/benchmark-pages/vs-trl-facts.md).
 
 The unlikelihood of a failed completion, ``-log(1 - pi(y|x))`` with ``pi(y|x)`` the product of its
 token probabilities, has the gradient ``pi / (1 - pi) * grad log pi(y|x)``: it grows as the policy

@@ -43,8 +43,8 @@ from astralight.tasks.warmstart_folder import as_spec as _as_spec
 from astralight.tinymodel import build_tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m astralight.tasks.warmstart",
+def main(argv: list[str] | None = None, prog: str = "python -m astralight.tasks.warmstart") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Build the warm-started toy policy folder.")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--sft-steps", type=int, default=DEFAULT_SFT_STEPS)

@@ -61,7 +61,7 @@ def test_placeholders_substituted_everywhere():
 
 
 def test_committed_toy_component_configs_match_the_recipe(tmp_path):
-    """configs/toy/ (README: starting each component on its own) is the recipe, exported."""
+    """configs/toy/ (docs/how-to/scale-out.md: each component on its own) is the recipe, exported."""
     from pathlib import Path
 
     from astralight.launch import export_configs

@@ -110,6 +110,28 @@ def test_mistakes_between_components_are_named_before_anything_starts(tmp_path, 
         check_recipe(child(tmp_path, **changes), components=False)
 
 
+def test_an_adapter_rank_above_the_engines_max_lora_rank_is_named(tmp_path):
+    lora = {"trainers": {"policy": {"model": {"init_args": {"lora": {"r": 32}}}}}}
+    with pytest.raises(RecipeError, match=r"recipe\.raas\[0\]\.engines\.policy\.max_lora_rank: "
+                                          r"16, below the trainer's adapter rank .*lora\.r: 32\)"):
+        check_recipe(child(tmp_path, **lora, raas={0: {"engines": {"policy": {
+            "enable_lora": True}}}}), components=False)
+    check_recipe(child(tmp_path, **lora, raas={0: {"engines": {"policy": {
+        "enable_lora": True, "max_lora_rank": 32}}}}), components=False)
+
+
+def test_the_checks_defaults_are_the_engines_and_the_lora_specs():
+    import inspect
+
+    from astralight.launch.check import LORA_DEFAULT_R, VLLM_ENGINE_MAX_LORA_RANK
+    from astralight.lora import LoraSpec
+    from astralight.raas.vllm_engine import VLLMEngine
+
+    assert LoraSpec().r == LORA_DEFAULT_R
+    default = inspect.signature(VLLMEngine.__init__).parameters["max_lora_rank"].default
+    assert default == VLLM_ENGINE_MAX_LORA_RANK
+
+
 def test_lora_adapters_pass_with_an_engine_that_loads_them_or_merged_publication(tmp_path):
     lora = {"trainers": {"policy": {"model": {"init_args": {"lora": {"r": 8}}}}}}
     check_recipe(child(tmp_path, **lora, raas={0: {"engines": {"policy": {
