@@ -263,6 +263,13 @@ OPENAI_ROUTE_NOTES = {
                                                   "appends `/v1/messages` to its `base_url`)",
     "GET /v1/episodes/{episode_id}/models": "the episode's one model",
     "GET /v1/episodes/{episode_id}/models/{model}": "the episode's one model, by name",
+    # the same routes with the episode chosen by the api key (one base_url per process)
+    "POST /v1/chat/completions": "OpenAI Chat Completions, for the episode whose key the call "
+                                 "carries",
+    "POST /v1/responses": "OpenAI Responses API, for the episode whose key the call carries",
+    "POST /v1/messages": "Anthropic Messages API, for the episode whose key the call carries",
+    "GET /v1/models": "the key's episode's one model",
+    "GET /v1/models/{model}": "the key's episode's one model, by name",
 }
 
 

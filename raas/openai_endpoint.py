@@ -62,7 +62,9 @@ episode records in :mod:`~astralight.raas.openai_episodes` and the per-call work
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import hmac
 import json
 import logging
 import secrets
@@ -79,7 +81,8 @@ from astralight.raas.anthropic_messages import message_body, message_events
 from astralight.raas.openai_completions import (complete, completion_body, completion_chunks,
                                                  sse_events)
 from astralight.raas.openai_episodes import CallRecord, Episode, EpisodeSettings
-from astralight.raas.openai_guard import LOOPBACK_HOSTS, LoopbackGuard, bearer_digest
+from astralight.raas.openai_guard import (LOOPBACK_HOSTS, LoopbackGuard, bearer_digest,
+                                          request_digest)
 from astralight.raas.openai_requests import (MAX_BODY_BYTES, ChatRequest, RequestError,
                                              bad_request, parse_request, read_json)
 from astralight.raas.openai_responses import chat_body, response_body, response_events
@@ -88,6 +91,9 @@ __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "C
            "ChatRequest", "RequestError", "parse_request", "MAX_BODY_BYTES"]
 
 log = logging.getLogger("astralight.raas.openai")
+
+#: keys of closed episodes remembered, so a late call hears that its episode ended
+CLOSED_KEYS_KEPT = 4096
 
 
 class OpenAIEndpoint:
@@ -109,11 +115,14 @@ class OpenAIEndpoint:
         self.host = host
         self.port = 0
         self._episodes: dict[str, Episode] = {}
+        self._by_key: dict[bytes, str] = {}  # an open episode's key digest -> its id
+        #: keys of recently closed episodes -> their ids (a late call is told the episode ended)
+        self._closed_keys: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.counters = {"requests": 0, "refused": 0, "auth_failures": 0, "calls": 0,
-                         "episodes_opened": 0, "episodes_closed": 0}
+                         "episodes_opened": 0, "episodes_closed": 0, "wrong_episode": 0}
 
     # -- lifecycle
 
@@ -122,8 +131,14 @@ class OpenAIEndpoint:
         return f"http://{self.host}:{self.port}"
 
     def base_url(self, episode_id: str) -> str:
-        """What an agent gives ``openai.OpenAI(base_url=...)``."""
+        """What an agent gives ``openai.OpenAI(base_url=...)``: the episode's own path."""
         return f"{self.url}/v1/episodes/{episode_id}"
+
+    @property
+    def shared_base_url(self) -> str:
+        """One base URL for every episode of the process (``OPENAI_BASE_URL``, a client made
+        once): the episode is chosen by the api key each call carries."""
+        return f"{self.url}/v1"
 
     def start(self, timeout_s: float = 30.0) -> "OpenAIEndpoint":
         """Bind a free loopback port and serve from a daemon thread; returns once listening."""
@@ -171,9 +186,11 @@ class OpenAIEndpoint:
         if not model_id:
             raise ValueError("model_id: an episode serves one named policy")
         loop = loop or asyncio.get_running_loop()
-        ep = Episode(secrets.token_hex(12), model_id, engine, loop, settings or EpisodeSettings())
+        ep = Episode(secrets.token_hex(12), model_id, engine, loop, settings or EpisodeSettings(),
+                     key=f"ep-{secrets.token_urlsafe(24)}")
         with self._lock:
             self._episodes[ep.id] = ep
+            self._by_key[bearer_digest(ep.key)] = ep.id
             self.counters["episodes_opened"] += 1
         return ep
 
@@ -184,6 +201,11 @@ class OpenAIEndpoint:
             ep = self._episodes.pop(episode_id, None)
             if ep is None:
                 return []
+            digest = bearer_digest(ep.key)
+            self._by_key.pop(digest, None)
+            self._closed_keys[digest] = ep.id
+            while len(self._closed_keys) > CLOSED_KEYS_KEPT:
+                self._closed_keys.popitem(last=False)
             ep.closed = True
             pending = list(ep.pending)
             self.counters["episodes_closed"] += 1
@@ -199,6 +221,39 @@ class OpenAIEndpoint:
                                "ended, timed out, or never existed)", "episode_not_found")
         return ep
 
+    def _accepts(self, digest: bytes) -> bool:
+        """The guard's test: the process token, or the key of an open or recently closed
+        episode (a late call is then told its episode ended, not that its key is wrong)."""
+        if hmac.compare_digest(digest, self._expected):
+            return True
+        with self._lock:
+            return digest in self._by_key or digest in self._closed_keys
+
+    def _episode_of(self, request: Request, episode_id: str | None) -> Episode:
+        """The episode a request is for: the one its path names (``/v1/episodes/ID/...``) or,
+        on the key-routed paths (``/v1/...``), the one whose key it carries. A call with one
+        episode's key on another episode's path is refused (403) and counted: it would put one
+        task's conversation into another task's samples, scored with the wrong reward."""
+        digest = request_digest(request.scope["headers"])
+        with self._lock:
+            owner = self._by_key.get(digest) or self._closed_keys.get(digest)
+        if episode_id is None:
+            if owner is None:
+                raise RequestError(400, "authorization", "authorization: this path chooses the "
+                                   "episode by its api key, and the process token names none; "
+                                   "pass the api_key the agent was given, or use base_url "
+                                   ".../v1/episodes/EPISODE_ID", "episode_key_required")
+            episode_id = owner
+        elif owner is not None and owner != episode_id:
+            self._count("wrong_episode")
+            log.warning("a call with episode %s's key reached episode %s's path: refused (an "
+                        "agent sharing one client across episodes?)", owner, episode_id)
+            raise RequestError(403, "authorization", "authorization: this api key belongs to "
+                               "another episode; each episode must call with its own base_url "
+                               "and api_key (a client shared across episodes mixes their "
+                               "conversations)", "wrong_episode", "permission_error")
+        return self._episode(episode_id)
+
     # -- the ASGI app
 
     def _app(self) -> Any:
@@ -208,19 +263,21 @@ class OpenAIEndpoint:
             self._count("refused")
             return ErrorResponse(exc.body(), status_code=exc.status)
 
-        @app.get("/v1/episodes/{episode_id}/models")
-        async def models(episode_id: str):
+        def episode(request: Request) -> Episode:  # by the path's episode_id, else by the key
+            return self._episode_of(request, request.path_params.get("episode_id"))
+
+        async def models(request: Request):
             try:
-                ep = self._episode(episode_id)
+                ep = episode(request)
             except RequestError as exc:
                 return error(exc)
             return {"object": "list", "data": [{"id": ep.model_id, "object": "model",
                                                 "created": 0, "owned_by": "astralight"}]}
 
-        @app.get("/v1/episodes/{episode_id}/models/{model}")
-        async def model(episode_id: str, model: str):
+        async def model(request: Request):
+            model = request.path_params["model"]
             try:
-                ep = self._episode(episode_id)
+                ep = episode(request)
                 if model != ep.model_id:
                     raise RequestError(404, "model", f"model: {model!r} is not served to this "
                                        f"episode; it serves {ep.model_id!r}", "model_not_found")
@@ -228,10 +285,9 @@ class OpenAIEndpoint:
                 return error(exc)
             return {"id": ep.model_id, "object": "model", "created": 0, "owned_by": "astralight"}
 
-        @app.post("/v1/episodes/{episode_id}/chat/completions")
-        async def chat_completions(episode_id: str, request: Request):
+        async def chat_completions(request: Request):
             try:
-                ep = self._episode(episode_id)
+                ep = episode(request)
                 req = parse_request(await read_json(request, self.max_body_bytes))
                 body = await self._serve(ep, req)
             except RequestError as exc:
@@ -242,10 +298,9 @@ class OpenAIEndpoint:
             # events; an error before this point is a plain JSON error, as OpenAI answers one
             return sse(sse_events(completion_chunks(body, req.include_usage)))
 
-        @app.post("/v1/episodes/{episode_id}/responses")
-        async def responses(episode_id: str, request: Request):
+        async def responses(request: Request):
             try:
-                ep = self._episode(episode_id)
+                ep = episode(request)
                 raw = await read_json(request, self.max_body_bytes)
                 chat = chat_body(raw, ep)
                 try:
@@ -263,9 +318,9 @@ class OpenAIEndpoint:
             return sse(f"event: {e['type']}\ndata: {_json(e)}\n\n"
                        for e in response_events(body))
 
-        async def messages(episode_id: str, request: Request):
+        async def messages(request: Request):
             try:
-                ep = self._episode(episode_id)
+                ep = episode(request)
                 raw = await read_json(request, self.max_body_bytes)
                 req = parse_request(anthropic_chat_body(raw))
                 record = await self._record(ep, req)
@@ -279,16 +334,23 @@ class OpenAIEndpoint:
             return sse(f"event: {name}\ndata: {_json(data)}\n\n"
                        for name, data in message_events(body))
 
-        # the anthropic SDK appends /v1/messages to its base_url
-        for path in ("/v1/episodes/{episode_id}/v1/messages", "/v1/episodes/{episode_id}/messages"):
-            app.add_api_route(path, messages, methods=["POST"])
+        # each route twice: under the episode's own path, and under /v1 with the episode chosen
+        # by the api key (one base_url for a whole process); the anthropic SDK appends
+        # /v1/messages to its base_url, so the episode path serves that too
+        for prefix in ("/v1/episodes/{episode_id}", "/v1"):
+            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+            app.add_api_route(f"{prefix}/models/{{model}}", model, methods=["GET"])
+            app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
+            app.add_api_route(f"{prefix}/messages", messages, methods=["POST"])
+        app.add_api_route("/v1/episodes/{episode_id}/v1/messages", messages, methods=["POST"])
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def unknown(path: str):
             return error(RequestError(404, "path", f"path: /{path} is not served here; use "
                                       "base_url .../v1/episodes/EPISODE_ID", "not_found"))
 
-        return LoopbackGuard(app, self._expected, self._count)
+        return LoopbackGuard(app, self._accepts, self._count)
 
     async def _serve(self, ep: Episode, req: ChatRequest) -> dict:
         """Admit the call, run it on the episode's loop, answer a ChatCompletion."""

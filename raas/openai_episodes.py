@@ -74,8 +74,11 @@ class Episode:
     """One agent run's view of the endpoint: its engine, loop, settings and records."""
 
     def __init__(self, episode_id: str, model_id: str, engine: Any,
-                 loop: asyncio.AbstractEventLoop, settings: EpisodeSettings):
+                 loop: asyncio.AbstractEventLoop, settings: EpisodeSettings, key: str = ""):
         self.id, self.model_id, self.engine, self.loop = episode_id, model_id, engine, loop
+        #: the episode's own api key: it chooses the episode on the key-routed paths, and a
+        #: call with it on another episode's path is refused
+        self.key = key
         self.settings = settings
         self.calls: list[CallRecord] = []  # appended on ``loop`` only
         self.started = 0  # calls admitted (the next call's index)

@@ -11,13 +11,24 @@ The agent is an ordinary function (named by import path, or passed as a callable
 ``task`` is a plain dict: ``task_id``, ``prompt`` (the task's prompt, text or chat messages),
 ``messages`` (the prompt as chat messages, after ``system_prompt`` when one is configured),
 ``metadata`` (the task's metadata; it holds what the reward checks against, so do not show it to
-the model), ``kind`` (``train`` / ``eval``) and ``episode`` (0..n-1). An ``async def`` agent works
-too (with ``openai.AsyncOpenAI``); it runs in its own event loop on the agent's thread. Each agent
-runs on a daemon thread of its own, at most ``max_parallel_agents`` at once, with ``timeout_s``
-per episode counted from its start. Not on the loop's shared executor (``blocking``): an agent
-holds its thread for its whole episode, so agents would starve the rewards and environment steps
-that executor serves; and not on a ``ThreadPoolExecutor`` either, whose threads the interpreter
-joins at exit, so one agent stuck in its own code would keep the RaaS from ever exiting.
+the model), ``kind`` (``train`` / ``eval``) and ``episode`` (0..n-1). ``api_key`` is the
+episode's own key: it works with ``base_url`` (the episode's path) and also alone, on the
+endpoint's one base URL for the process (``.../v1``: the key chooses the episode), and a call
+with it on another episode's path is refused (403 ``wrong_episode``), so a client shared across
+episodes cannot mix their conversations silently.
+
+An ``async def`` agent (with ``openai.AsyncOpenAI``) runs as a task on the process's one agent
+event loop (:func:`agent_loop`, a daemon thread), every async agent on the same loop: clients and
+connection pools that a framework keeps per process (the OpenAI Agents SDK's shared HTTP client,
+a module-level ``AsyncOpenAI``) then serve every episode, where a loop per episode failed with
+"bound to a different event loop" and left "Event loop is closed" tracebacks behind. Such an
+agent must not block (as in any asyncio program); a timeout cancels it. A plain ``def`` agent
+runs on a daemon thread of its own. At most ``max_parallel_agents`` agents run at once, with
+``timeout_s`` per episode counted from its start. Not on the loop's shared executor
+(``blocking``): an agent holds its thread for its whole episode, so agents would starve the
+rewards and environment steps that executor serves; and not on a ``ThreadPoolExecutor`` either,
+whose threads the interpreter joins at exit, so one agent stuck in its own code would keep the
+RaaS from ever exiting.
 
 Its return value is the episode's answer: text as is, ``None`` as ``""``, anything else as JSON.
 ``reward(answer, task.metadata)`` scores the episode. An agent that raises or times out is logged
@@ -72,6 +83,39 @@ log = logging.getLogger(__name__)
 
 #: the answer text kept in sample metadata is cut to this many characters
 MAX_ANSWER_CHARS = 500
+
+
+_AGENT_LOOP: asyncio.AbstractEventLoop | None = None
+_AGENT_LOOP_LOCK = threading.Lock()
+
+
+def agent_loop() -> asyncio.AbstractEventLoop:
+    """The process's one event loop for async agents, running on a daemon thread (started on
+    first use, never closed: a framework's per-process clients stay bound to it)."""
+    global _AGENT_LOOP
+    with _AGENT_LOOP_LOCK:
+        if _AGENT_LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="openai-agents-loop",
+                             daemon=True).start()
+            _AGENT_LOOP = loop
+        return _AGENT_LOOP
+
+
+async def _run_async_agent(call: Callable[[], Any]) -> Any:
+    """On the agent loop: the agent's coroutine; what would stop the loop is an error instead."""
+    try:
+        return await call()
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit & co. would stop every agent
+        raise RuntimeError(f"agent raised {type(exc).__name__}: {exc}") from None
+
+
+def is_async_agent(agent: Any) -> bool:
+    """An ``async def`` function (or partial of one, or an object whose ``__call__`` is)."""
+    return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(
+        getattr(agent, "__call__", None))
 
 
 def load_agent(agent: Any) -> Callable[..., Any]:
@@ -299,7 +343,8 @@ class OpenAIAgentWorkflow(Workflow):
         return await done
 
     def _call_agent(self, task_view: dict, base_url: str, api_key: str, model: str) -> Any:
-        """On an agent thread: the agent, to its end (an async agent in its own loop)."""
+        """On an agent thread: a plain agent, to its end (one that returns an awaitable: that,
+        in a loop of its own)."""
         out = self.agent(task_view, base_url=base_url, api_key=api_key, model=model,
                          **self.agent_kwargs)
         if inspect.isawaitable(out):
@@ -366,12 +411,18 @@ class OpenAIAgentWorkflow(Workflow):
     async def _play(self, task: Task, view: dict, endpoint: Any, settings: Any, engine: Any,
                     model_id: str, slot: int) -> EpisodeResult:
         ep = endpoint.open_episode(engine, model_id, settings)
-        call = functools.partial(self._call_agent, view, endpoint.base_url(ep.id),
-                                 endpoint.token, model_id)
         end, value, error = "answer", None, ""
         try:
-            value = await asyncio.wait_for(
-                self._on_thread(call, f"openai-agent-{task.task_id}-{slot}"), self.timeout_s)
+            if is_async_agent(self.agent):  # a task on the one agent loop; a timeout cancels it
+                coro = functools.partial(self.agent, view, base_url=endpoint.base_url(ep.id),
+                                         api_key=ep.key, model=model_id, **self.agent_kwargs)
+                running = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    _run_async_agent(coro), agent_loop()))
+            else:
+                running = self._on_thread(
+                    functools.partial(self._call_agent, view, endpoint.base_url(ep.id), ep.key,
+                                      model_id), f"openai-agent-{task.task_id}-{slot}")
+            value = await asyncio.wait_for(running, self.timeout_s)
         except asyncio.TimeoutError:
             end, error = "timeout", "timeout"
             self.stats["agent_timeouts"] += 1

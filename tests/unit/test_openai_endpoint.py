@@ -650,6 +650,76 @@ def test_async_agent(endpoint, engine):
     assert "<tool_call>" in s.metadata["answer"]
 
 
+_SHARED_HTTP: dict = {}
+
+
+async def shared_pool_agent(task, base_url, api_key, model):
+    """An agent whose framework keeps per-process async state: one HTTP connection pool (as the
+    OpenAI Agents SDK's default provider does) and a rate limiter, made by the first episode
+    and used by every other."""
+    pool = _SHARED_HTTP.setdefault("client", httpx.AsyncClient())
+    limiter = _SHARED_HTTP.setdefault("limiter", asyncio.Semaphore(1))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                http_client=pool)
+    async with limiter:
+        reply = await client.chat.completions.create(model=model, messages=[
+            {"role": "user", "content": task["prompt"]}])
+        await asyncio.sleep(0.01)  # held while the other episodes wait on it
+    return reply.choices[0].message.content
+
+
+def test_async_agents_share_one_loop_so_per_process_clients_work_across_episodes(
+        endpoint, engine, caplog):
+    """A loop per episode failed every episode after the first with 'bound to a different event
+    loop' and left 'Event loop is closed' tracebacks; on the one agent loop they all work."""
+    _SHARED_HTTP.clear()
+    wf = OpenAIAgentWorkflow(shared_pool_agent, ExactMatchReward(), endpoint=endpoint)
+    tasks = [Task(task_id=f"t{i}", prompt=p, n=3, model_ids=["policy"],
+                  metadata={"answer": "0"}) for i, p in enumerate(["1+1=", "2+2=", "3+3="])]
+    with caplog.at_level("WARNING"):
+        out = run_tasks(wf, tasks, {"policy": engine})
+    assert wf.stats["agent_errors"] == 0 and wf.stats["episodes"] == 9
+    assert all(len(out[t.task_id]) == 3 and all(s.reward == 1.0 for s in out[t.task_id])
+               for t in tasks)
+    assert "different event loop" not in caplog.text and "Event loop is closed" not in caplog.text
+
+
+async def slow_async_agent(task, base_url, api_key, model):
+    await asyncio.sleep(30)
+
+
+def test_a_timed_out_async_agent_is_cancelled_on_the_agent_loop(endpoint, engine):
+    wf = OpenAIAgentWorkflow(slow_async_agent, ExactMatchReward(), timeout_s=0.3,
+                             endpoint=endpoint)
+    t0 = time.monotonic()
+    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    assert wf.stats["agent_timeouts"] == 2 and time.monotonic() - t0 < 10
+    from astralight.workflows.openai_agent import agent_loop
+
+    left = asyncio.run_coroutine_threadsafe(_agent_tasks(), agent_loop()).result(timeout=5)
+    assert not any("slow_async_agent" in repr(t.get_coro()) for t in left)  # cancelled, not left
+
+
+async def _agent_tasks():
+    await asyncio.sleep(0.05)  # the cancellations land
+    return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
+async def async_exiting_agent(task, base_url, api_key, model):
+    import sys
+
+    sys.exit(3)
+
+
+def test_an_async_agent_that_exits_fails_its_episode_not_the_agent_loop(endpoint, engine):
+    wf = OpenAIAgentWorkflow(async_exiting_agent, ExactMatchReward(), timeout_s=30,
+                             endpoint=endpoint)
+    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    assert wf.stats["agent_errors"] == 2 and wf.stats["agent_timeouts"] == 0
+    wf2 = OpenAIAgentWorkflow(async_agent, ExactMatchReward(), endpoint=endpoint)
+    assert len(run_tasks(wf2, [_task(n=1)], {"policy": engine})["t0"]) == 1  # the loop lives
+
+
 def exiting_agent(task, base_url, api_key, model):
     """Agent code that calls sys.exit (argparse, click...) or leaks a StopIteration."""
     import sys
@@ -963,3 +1033,89 @@ def test_unclosed_tool_call_tags_are_read_in_one_pass():
     assert errors == {"malformed": 1, "unknown_tool": 0}
     assert content == "Let me add." + "<tool_call>" * 8_000
     assert took < 5.0, f"split_tool_calls took {took:.1f} s"
+
+
+# ---------------------------------------------------------------- per-episode keys
+
+
+def test_each_episode_has_its_own_key_which_also_chooses_it_on_the_shared_base_url(endpoint,
+                                                                                    engine):
+    """One base URL for a whole process (``OPENAI_BASE_URL``, a client made once per key): the
+    key picks the episode, and each call lands in its own episode's records."""
+    async def main():
+        a = endpoint.open_episode(engine, "policy")
+        b = endpoint.open_episode(engine, "policy")
+        assert a.key != b.key and a.key.startswith("ep-")
+
+        def calls():
+            out = {}
+            for ep, prompt in ((a, "123+456="), (b, "1+1=")):
+                client = openai.OpenAI(base_url=endpoint.shared_base_url, api_key=ep.key,
+                                       max_retries=0)
+                reply = client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": prompt}])
+                out[ep.id] = reply.choices[0].message
+                assert client.models.list().data[0].id == "policy"
+            return out
+
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(None, calls)
+        finally:
+            records = {ep.id: endpoint.close_episode(ep.id) for ep in (a, b)}
+        return a, b, out, records
+
+    a, b, out, records = asyncio.run(main())
+    assert "<tool_call>" in out[a.id].content and out[b.id].content == "0"  # (no tools declared)
+    assert [r.messages[-1]["content"] for r in records[a.id]] == ["123+456="]
+    assert [r.messages[-1]["content"] for r in records[b.id]] == ["1+1="]
+
+
+def test_a_key_used_on_another_episodes_path_is_refused_and_counted(endpoint, engine):
+    """A client shared across episodes would put one task's conversation into another task's
+    samples, scored with the wrong reward: the endpoint refuses it, naming why."""
+    async def main():
+        a = endpoint.open_episode(engine, "policy")
+        b = endpoint.open_episode(engine, "policy")
+        before = endpoint.counters["wrong_episode"]
+
+        def calls():
+            crossed = openai.OpenAI(base_url=endpoint.base_url(b.id), api_key=a.key,
+                                    max_retries=0)
+            with pytest.raises(openai.PermissionDeniedError) as err:
+                crossed.chat.completions.create(model="policy", messages=MSGS)
+            own = openai.OpenAI(base_url=endpoint.base_url(a.id), api_key=a.key, max_retries=0)
+            own.chat.completions.create(model="policy", messages=MSGS)
+            # the process token names no episode on the key-routed paths
+            bare = httpx.post(f"{endpoint.shared_base_url}/chat/completions",
+                              json={"model": "policy", "messages": MSGS},
+                              headers={"Authorization": f"Bearer {endpoint.token}"})
+            return err.value, bare
+
+        try:
+            err, bare = await asyncio.get_running_loop().run_in_executor(None, calls)
+        finally:
+            records = {ep.id: endpoint.close_episode(ep.id) for ep in (a, b)}
+        return a, b, err, bare, records, endpoint.counters["wrong_episode"] - before
+
+    a, b, err, bare, records, counted = asyncio.run(main())
+    assert err.status_code == 403 and err.body["code"] == "wrong_episode"
+    assert "belongs to another episode" in err.body["message"]
+    assert counted == 1 and records[b.id] == [] and len(records[a.id]) == 1
+    assert bare.status_code == 400 and bare.json()["error"]["code"] == "episode_key_required"
+
+
+def test_a_closed_episodes_key_hears_that_its_episode_ended(endpoint, engine):
+    async def main():
+        ep = endpoint.open_episode(engine, "policy")
+        endpoint.close_episode(ep.id)
+        return ep
+
+    ep = asyncio.run(main())
+    late = httpx.post(f"{endpoint.shared_base_url}/chat/completions",
+                      json={"model": "policy", "messages": MSGS},
+                      headers={"Authorization": f"Bearer {ep.key}"})
+    assert late.status_code == 404 and late.json()["error"]["code"] == "episode_not_found"
+    unknown = httpx.post(f"{endpoint.shared_base_url}/chat/completions",
+                         json={"model": "policy", "messages": MSGS},
+                         headers={"Authorization": "Bearer ep-made-up"})
+    assert unknown.status_code == 401
