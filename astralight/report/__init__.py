@@ -1,6 +1,9 @@
 """``astralight report``: see a finished (or half-finished) run as PNG plots and a short summary.
 
     astralight report RUN_DIR [--out DIR] [--window N] [--tensorboard DIR ...] [--db PATH]
+                              [--viewer] [--viewer-versions N] [--viewer-samples M]
+                              [--viewer-tokens T] [--tokenizer DIR]
+    astralight report RUN_DIR --serve [--port P] [--db PATH] [--viewer-* ...] [--tokenizer DIR]
 
 ``RUN_DIR`` is a folder written by ``astralight run RECIPE --run-dir RUN_DIR``. Trainer metrics
 come from every folder of TensorBoard event files under it (``tensorboard/<name>/``,
@@ -38,6 +41,10 @@ come from every folder of TensorBoard event files under it (``tensorboard/<name>
   wait fraction and the wait at eval versions against the others, the staleness distribution,
   the train/inference mismatch (``train/mismatch_*``: :mod:`astralight.rl.mismatch`), the final
   balance decision, and which plots were skipped and why. Also printed to stdout.
+
+- ``viewer.html`` (with ``--viewer``): the rollout viewer, the run's samples as one
+  self-contained page (:mod:`astralight.report.viewer`). ``--serve`` serves that page on
+  127.0.0.1 instead, regenerated on each load (a live run too), and writes nothing.
 
 A plot whose data is not in the run folder is skipped with its reason, never an error; a folder
 that is not a run folder is (exit status 2, naming what is missing). Nothing in RUN_DIR is
@@ -106,8 +113,9 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``astralight report RUN_DIR [--out DIR] [--window N] [--tensorboard DIR ...] [--db PATH]``;
-    returns the exit status."""
+    """``astralight report RUN_DIR [--out DIR] [--window N] [--tensorboard DIR ...] [--db PATH]
+    [--viewer | --serve [--port P]] [--viewer-versions N] [--viewer-samples M]
+    [--viewer-tokens T] [--tokenizer DIR]``; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="astralight report",
         description="PNG plots and a text summary of a run folder (see `astralight run`).")
@@ -123,17 +131,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", default=None, metavar="PATH",
                         help="the dataflow DB (<state_dir>/dataflow.db) when it is not "
                              "RUN_DIR/dataflow/dataflow.db")
+    from astralight.report import viewer
+
+    view = parser.add_argument_group(
+        "rollout viewer", "the run's samples as one self-contained HTML page: per version and "
+        "task group, tokens coloured by loss mask or log-prob, reward, advantage, tool calls "
+        "and errors, with filters (see the docs page 'Look at the rollouts')")
+    view.add_argument("--viewer", action="store_true",
+                      help=f"also write the viewer page, {viewer.VIEWER_FILE}, into the report "
+                           f"folder")
+    view.add_argument("--serve", action="store_true",
+                      help="instead of writing a report, serve the viewer page on 127.0.0.1 "
+                           "(regenerated on each load, so a live run's new samples show; "
+                           "Ctrl-C stops)")
+    view.add_argument("--port", type=int, default=viewer.DEFAULT_PORT, metavar="P",
+                      help=f"--serve's port (default {viewer.DEFAULT_PORT}; 0: any free port)")
+    view.add_argument("--viewer-versions", type=int, default=viewer.DEFAULT_VERSIONS,
+                      metavar="N", help="show the last N policy versions of each policy "
+                                        f"(default {viewer.DEFAULT_VERSIONS})")
+    view.add_argument("--viewer-samples", type=int, default=viewer.DEFAULT_SAMPLES,
+                      metavar="M", help="at most M samples per version and policy, newest "
+                                        f"task groups first (default {viewer.DEFAULT_SAMPLES})")
+    view.add_argument("--viewer-tokens", type=int, default=viewer.DEFAULT_TOKENS, metavar="T",
+                      help="at most T tokens of each sample, head and tail (default "
+                           f"{viewer.DEFAULT_TOKENS})")
+    view.add_argument("--tokenizer", default=None, metavar="DIR",
+                      help="decode token ids with the tokenizer in DIR (default: each policy's "
+                           "model folder, named by RUN_DIR/configs/ or recipe.yaml, else "
+                           "RUN_DIR/models/init; without one the page shows token ids)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window: must be >= 1, got {args.window}")
+    for flag in ("viewer_versions", "viewer_samples", "viewer_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port: must be in [0, 65535], got {args.port}")
+    caps = viewer.ViewerCaps(args.viewer_versions, args.viewer_samples, args.viewer_tokens)
+    if args.serve:
+        return viewer.serve(args.run_dir, args.port, db=args.db, caps=caps,
+                            tokenizer=args.tokenizer)
     try:
         report = make_report(args.run_dir, args.out, args.window, tensorboard=args.tensorboard,
                              db=args.db)
+        page = (viewer.write_viewer(args.run_dir, report.out_dir, db=args.db, caps=caps,
+                                    tokenizer=args.tokenizer) if args.viewer else None)
     except RunFolderError as exc:
         print(f"astralight report: {exc}", file=sys.stderr)
         return 2
     print(report.text, end="")
     print(f"report written to {report.out_dir}")
+    if page is not None:
+        print(f"rollout viewer written to {page}")
     return 0
 
 
