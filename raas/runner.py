@@ -41,7 +41,7 @@ from typing import Any
 from astralight.raas.membership import RUN_CHANGED_EXIT, _field, _status, refused_secret
 from astralight.raas.weight_sync import EngineConfigError
 from astralight.supervise import EXIT_USAGE
-from astralight.workflows.base import BrokenWorkflowError, as_episode_runner
+from astralight.workflows.base import BrokenWorkflowError, TaskFailedError, as_episode_runner
 
 log = logging.getLogger("astralight.raas")
 
@@ -397,6 +397,11 @@ class EpisodeRunner:
             svc.counters.add(workflow_errors=1)
             await self._return(task, run, True, "the workflow is broken")
             self._exit_usage(f"the workflow is broken: {exc}")
+            return
+        except TaskFailedError as exc:  # its episodes failed: returned at once, not left to expire
+            svc.counters.add(workflow_errors=1)
+            log.warning("%s; returned to the dataflow as failed", exc)
+            await self._return(task, run, True, "every episode failed")
             return
         except Exception:
             svc.counters.add(workflow_errors=1)

@@ -10,7 +10,7 @@ with no target and its budget's ETA.
 
 from __future__ import annotations
 
-from astralight.launch.summary import policy_stats
+from astralight.launch.summary import agents_failed, policy_stats
 
 
 def duration(seconds: float) -> str:
@@ -85,6 +85,10 @@ def progress_line(elapsed: float, target: int | None, stats: dict, evals: dict[i
     instances = stats.get("instances") or []
     if instances and all("live" in r for r in instances):  # the pool size, as it changes
         rollout_text += f" | raas {sum(1 for r in instances if r['live'])}"
+    failed = agents_failed(pol) or {}
+    if sum(failed.values()):  # an agent workflow whose agents raised or timed out
+        rollout_text += (f" | agents failed {sum(failed.values())} ("
+                         + ", ".join(f"{k} {n}" for k, n in failed.items() if n) + ")")
     return (f"[{elapsed:6.0f}s] version {version}{'' if target is None else f'/{target}'}"
             f"{' | ' + rate_text if rate_text else ''}"
             f" | trained {trained}{rollout_text}"

@@ -102,6 +102,9 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
     if start is not None and "tool_call_rate" in start:  # a tool-calling workflow
         tools = {"tool_call_rate_start": start["tool_call_rate"],
                  "tool_call_rate_end": final.get("tool_call_rate") if final else None}
+    failed = agents_failed(pol)
+    if failed is not None:  # an agent workflow: its failed episodes by kind, over the run
+        tools["agents_failed"] = failed
     return {
         "eval_accuracy_start": start["avg_at_k"] if start else None,
         "eval_accuracy_end": final["avg_at_k"] if final else None,
@@ -126,6 +129,16 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
         "per_version": per_version,
         "rollout_capacity_seconds": rollout_capacity_seconds(stats.get("instances")),
     }
+
+
+def agents_failed(counters: dict) -> dict[str, int] | None:
+    """Train episodes whose agent failed, by kind (``{"error": n, "timeout": n}``), from the
+    policy's counters; None when the workflow counts no agent episodes."""
+    from astralight.agents.stats import FAILURE_KINDS
+
+    if "agent_episodes" not in counters:
+        return None
+    return {k: int(counters.get(f"agent_failed_{k}") or 0) for k in FAILURE_KINDS}
 
 
 def trainer_wait_fraction(counters: dict) -> float | None:
@@ -200,7 +213,8 @@ def write_summary(run_dir: Path, summary: dict) -> Path:
     return write_atomic(Path(run_dir) / "summary.json", json.dumps(summary, indent=2))
 
 
-__all__ = ["TIME_TO_ACCURACY", "SHORT_KEYS", "policy_stats", "final_eval", "best_complete_version",
+__all__ = ["TIME_TO_ACCURACY", "SHORT_KEYS", "policy_stats", "agents_failed", "final_eval",
+           "best_complete_version",
            "rollout_capacity_seconds", "read_pool_history", "build_summary",
            "trainer_wait_fraction", "wall_s_to_accuracy", "short_summary", "short_line",
            "write_summary"]

@@ -27,6 +27,13 @@ class BrokenWorkflowError(RuntimeError):
     exit status 2 (a config error: the launcher does not restart it, and shows the line)."""
 
 
+class TaskFailedError(RuntimeError):
+    """Raised by a workflow's ``run`` when none of the task's episodes left anything to train on
+    because each one failed (its agent raised or timed out before any model call): the RaaS
+    returns the task to the dataflow as failed at once, with this one line in its log, instead
+    of leaving the lease to expire (an eval task would hold its version's evaluation that long)."""
+
+
 class Workflow:
     """Base class. ``name`` is matched against ``Task.workflow`` by the service.
 

@@ -76,7 +76,8 @@ from astralight.agents.stats import ERROR_KINDS
 from astralight.engine import SamplingSpec, gather_all
 from astralight.protocol import Sample, Task
 from astralight.rewards.base import Reward
-from astralight.workflows.base import BrokenWorkflowError, Workflow, blocking, episode_jobs
+from astralight.workflows.base import (BrokenWorkflowError, TaskFailedError, Workflow, blocking,
+                                       episode_jobs)
 from astralight.workflows.chat_episodes import task_messages
 
 log = logging.getLogger(__name__)
@@ -366,6 +367,11 @@ class OpenAIAgentWorkflow(Workflow):
         for (model_id, _, g), ep in zip(jobs, played):
             samples += self.episode_samples(task, model_id, g, ep, len(samples))
         self.stats["samples"] += len(samples)
+        failed = [ep for ep in played if ep.end in ("error", "timeout")]
+        if not samples and played and len(failed) == len(played):
+            raise TaskFailedError(f"every episode of task {task.task_id} failed before it left "
+                                  f"a sample ({len(failed)} of {len(played)}; the first: "
+                                  f"{failed[0].error[:300]})")
         return samples
 
     def check_broken(self, task: Task, played: list[EpisodeResult]) -> None:

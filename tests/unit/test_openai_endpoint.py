@@ -26,6 +26,7 @@ from astralight.protocol import Task
 from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
 from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_chat_tokenizer
+from astralight.workflows.base import TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow, merge_calls
 from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
 
@@ -568,7 +569,10 @@ def test_failing_and_timed_out_agents_give_no_samples(endpoint, engine):
     assert [s.group_index for s in samples] == [1] and samples[0].sample_index == 0
     assert wf.stats["agent_errors"] == 1
     slow = OpenAIAgentWorkflow(slow_agent, ExactMatchReward(), timeout_s=0.2, endpoint=endpoint)
-    assert run_tasks(slow, [_task(n=1)], {"policy": engine})["t0"] == []
+    # every episode failed: the task goes back to the dataflow at once (not left to expire)
+    with pytest.raises(TaskFailedError, match=r"every episode of task t0 failed .*1 of 1; the "
+                                              r"first: timeout"):
+        run_tasks(slow, [_task(n=1)], {"policy": engine})
     assert slow.stats["agent_timeouts"] == 1
     deadline = time.monotonic() + 10
     while not SLOW_SEEN and time.monotonic() < deadline:
@@ -602,7 +606,8 @@ def test_a_failed_agent_is_scored_on_the_calls_it_made(endpoint, engine):
     assert batch_scalars([s.metadata for s in train])["agent_failed/error"] == 1.0
     dropped = OpenAIAgentWorkflow(called_then_broke, ExactMatchReward(), endpoint=endpoint,
                                   failed_reward=None)
-    assert run_tasks(dropped, [_task(n=2)], {"policy": engine})["t0"] == []
+    with pytest.raises(TaskFailedError, match="2 of 2; the first: RuntimeError: max turns"):
+        run_tasks(dropped, [_task(n=2)], {"policy": engine})
     ok = run_tasks(OpenAIAgentWorkflow(EXAMPLE.calculator_agent, ExactMatchReward(),
                                        endpoint=endpoint), [_task(n=1)], {"policy": engine})
     assert episode_counts(ok["t0"][0].metadata)["agent_failed_error"] == 0
@@ -692,7 +697,8 @@ def test_a_timed_out_async_agent_is_cancelled_on_the_agent_loop(endpoint, engine
     wf = OpenAIAgentWorkflow(slow_async_agent, ExactMatchReward(), timeout_s=0.3,
                              endpoint=endpoint)
     t0 = time.monotonic()
-    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    with pytest.raises(TaskFailedError):
+        run_tasks(wf, [_task(n=2)], {"policy": engine})
     assert wf.stats["agent_timeouts"] == 2 and time.monotonic() - t0 < 10
     from astralight.workflows.openai_agent import agent_loop
 
@@ -714,7 +720,8 @@ async def async_exiting_agent(task, base_url, api_key, model):
 def test_an_async_agent_that_exits_fails_its_episode_not_the_agent_loop(endpoint, engine):
     wf = OpenAIAgentWorkflow(async_exiting_agent, ExactMatchReward(), timeout_s=30,
                              endpoint=endpoint)
-    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    with pytest.raises(TaskFailedError):
+        run_tasks(wf, [_task(n=2)], {"policy": engine})
     assert wf.stats["agent_errors"] == 2 and wf.stats["agent_timeouts"] == 0
     wf2 = OpenAIAgentWorkflow(async_agent, ExactMatchReward(), endpoint=endpoint)
     assert len(run_tasks(wf2, [_task(n=1)], {"policy": engine})["t0"]) == 1  # the loop lives
@@ -731,7 +738,8 @@ def exiting_agent(task, base_url, api_key, model):
 
 def test_an_agent_that_exits_fails_its_episode_not_the_loop(endpoint, engine):
     wf = OpenAIAgentWorkflow(exiting_agent, ExactMatchReward(), timeout_s=30, endpoint=endpoint)
-    assert run_tasks(wf, [_task(n=2)], {"policy": engine})["t0"] == []
+    with pytest.raises(TaskFailedError):
+        run_tasks(wf, [_task(n=2)], {"policy": engine})
     # both are errors; neither waited out timeout_s (a StopIteration used to hang its future)
     assert wf.stats["agent_errors"] == 2 and wf.stats["agent_timeouts"] == 0
 

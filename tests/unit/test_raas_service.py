@@ -379,6 +379,29 @@ def test_a_broken_workflow_stops_the_raas_with_exit_2_naming_it():
     assert len(flow.leased) < 50  # it stopped leasing
 
 
+def test_a_task_whose_episodes_all_failed_is_returned_at_once_as_failed(caplog):
+    """Not left for its lease to expire (an eval task would hold its version's evaluation)."""
+    from astralight.workflows.base import TaskFailedError
+
+    class AllFailed(SingleTurnWorkflow):
+        async def run(self, task, engines):
+            raise TaskFailedError(f"every episode of task {task.task_id} failed before it left a "
+                                  "sample (3 of 3; the first: RuntimeError: boom)")
+
+    flow = FakeDataflow([_task(0)])
+    svc, _ = _service(flow, ScriptedEngine(build_tokenizer(), ["82"]))
+    svc.config.workflow = AllFailed(ExactMatchReward())
+    svc.runner = type(svc.runner)(svc)
+    svc.start()
+    try:
+        with caplog.at_level("WARNING"):
+            assert svc.run_cycle() == 0
+    finally:
+        svc.close()
+    assert flow.returned == [("t0", True)] and flow.pushed == {}
+    assert "every episode of task t0 failed" in caplog.text and "Traceback" not in caplog.text
+
+
 def test_a_weight_version_the_engine_can_never_load_stops_the_raas_with_exit_2():
     """A LoRA adapter published to an engine started without enable_lora: retrying cannot help
     and every rollout would go stale, so the RaaS stops with exit 2 and one line saying why (the

@@ -64,3 +64,12 @@ def test_the_progress_line_shows_the_rate():
     line = progress_line(120.0, 150, stats, evals, "policy", "2.1 s/version, ETA 3m51s")
     assert line == ("[   120s] version 40/150 | 2.1 s/version, ETA 3m51s | trained 10240"
                     " | accepted 11000 | queued 12 | stale 3 | eval v0 21.0% -> v40 63.5%")
+
+
+def test_failed_agents_are_shown_by_kind_once_there_are_any():
+    stats = {"models": {"policy": {"current_version": 5, "agent_episodes": 40,
+                                   "agent_failed_error": 0, "agent_failed_timeout": 0}}}
+    assert "agents failed" not in progress_line(10.0, 10, stats, {}, "policy")
+    stats["models"]["policy"].update(agent_failed_error=7, agent_failed_timeout=2)
+    line = progress_line(10.0, 10, stats, {}, "policy")
+    assert " | agents failed 9 (error 7, timeout 2) | " in line

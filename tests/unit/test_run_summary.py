@@ -73,3 +73,14 @@ def test_a_collapsed_run_says_so_in_its_last_line(tmp_path):
             short["eval_version_best"]) == (0.0, 0.57, 20)
     assert (short["tool_call_rate_start"], short["tool_call_rate_end"]) == (0.9, 0.3)
     assert short["warnings"] == ["eval_drop (policy)"]
+
+
+def test_an_agent_workflows_failed_episodes_are_in_the_summary_by_kind():
+    from astralight.launch.summary import build_summary
+
+    plain = build_summary({"models": {"policy": {"current_version": 3}}}, {}, None, "policy", 3)
+    assert "agents_failed" not in plain  # no agent workflow, no key
+    stats = {"models": {"policy": {"current_version": 3, "agent_episodes": 64,
+                                   "agent_failed_error": 5}}}
+    out = build_summary(stats, {}, None, "policy", 3)
+    assert out["agents_failed"] == {"error": 5, "timeout": 0}
