@@ -10,7 +10,7 @@
     astralight fit --config X.yaml               a trainer (LightningCLI), one per policy
     astralight autoscale --dataflow URL --raas-config X.yaml --min N --max N   grow or shrink
                                                  the RaaS pool from the balance report
-    astralight report RUN_DIR [--out DIR]         plots and a text summary of a run folder
+    astralight report RUN_DIR [--viewer|--serve]  plots, a text summary, the rollout viewer
     astralight export CKPT --out DIR [--model-path BASE] [--dtype bfloat16|float32|float16]
                       [--merge-lora] [--force]   a trainer checkpoint (file or FSDP2 folder) as a
                                                  Hugging Face model folder (or a LoRA adapter)

@@ -564,8 +564,12 @@ def load_run(run_dir: str | Path, tensorboard: tuple | list = (),
 
 
 def recipe_name(data: RunData) -> str:
-    """The recipe's name: the summary's ``name`` / ``recipe`` when it has one, else read from the
-    launcher's default folder name ``<name>-YYYYMMDD-HHMMSS``, else the folder's name."""
+    """The recipe's name: ``name`` of the run folder's ``recipe.yaml`` (what the launcher saved),
+    else the summary's ``recipe`` / ``name``, else read from the launcher's default folder name
+    ``<name>-YYYYMMDD-HHMMSS``, else the folder's name."""
+    saved = run_recipe(data.run_dir)
+    if isinstance(saved.get("name"), str) and saved["name"]:
+        return saved["name"]
     summary: dict[str, Any] = data.summary or {}
     for key in ("recipe", "name"):
         if isinstance(summary.get(key), str) and summary[key]:
@@ -575,3 +579,35 @@ def recipe_name(data: RunData) -> str:
     if m:
         return m.group(1)
     return f"{folder} (the run folder's name; summary.json names no recipe)"
+
+
+def run_recipe(run_dir: Path) -> dict:
+    """The run folder's ``recipe.yaml`` (the recipe the launcher ran), or {} when it has none or
+    it does not parse."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((Path(run_dir) / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}
+
+
+def max_staleness(run_dir: Path) -> int | None:
+    """The dataflow's ``max_staleness`` for the run: its exported config
+    (``configs/dataflow.yaml``), else the recipe's ``dataflow`` section, else the dataflow's
+    default; None when the folder holds neither."""
+    import yaml
+
+    from astralight.dataflow.config import DataflowConfig
+
+    for load in (lambda: yaml.safe_load((Path(run_dir) / "configs" / "dataflow.yaml").read_text()),
+                 lambda: run_recipe(run_dir).get("dataflow")):
+        try:
+            cfg = load()
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(cfg, dict):
+            value = cfg.get("max_staleness", DataflowConfig.max_staleness)
+            return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    return None

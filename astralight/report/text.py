@@ -7,7 +7,7 @@ launcher printed at the end of the run.
 
 from __future__ import annotations
 
-from astralight.report.rundata import RunData, recipe_name
+from astralight.report.rundata import RunData, max_staleness, recipe_name
 
 
 def _pct(x: float | None) -> str:
@@ -280,8 +280,6 @@ def _eval_line(model_id: str, table: dict[int, dict]) -> str:
     extra = []
     if first.get("pass_at_k") is not None and last.get("pass_at_k") is not None:
         extra.append(f"pass@{k} {_pct(first['pass_at_k'])} -> {_pct(last['pass_at_k'])}")
-    if first.get("team_accuracy") is not None and last.get("team_accuracy") is not None:
-        extra.append(f"team {_pct(first['team_accuracy'])} -> {_pct(last['team_accuracy'])}")
     if first.get("benchmark_average") is not None and last.get("benchmark_average") is not None:
         extra.append(f"benchmark average {_pct(first['benchmark_average'])} -> "
                      f"{_pct(last['benchmark_average'])}")
@@ -293,6 +291,28 @@ def _eval_line(model_id: str, table: dict[int, dict]) -> str:
     if best is not None and best != versions[-1]:
         extra.append(f"best v{best} {_pct(headline(table[best]))}")
     return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def team_table(data: RunData, names: list[str]) -> tuple[str, dict[int, float]] | None:
+    """The team's accuracy per eval version, once (every policy's eval carries the same team
+    figure): from the first policy in ``names`` whose evaluations have one."""
+    for m in names:
+        table = data.evals.get(m) or {}
+        team = {v: r["team_accuracy"] for v, r in sorted(table.items())
+                if r.get("team_accuracy") is not None}
+        if team:
+            return m, team
+    return None
+
+
+def _team_line(data: RunData, names: list[str]) -> str | None:
+    found = team_table(data, names)
+    if found is None:
+        return None
+    _, team = found
+    versions = sorted(team)
+    return (f"team accuracy: v{versions[0]} {_pct(team[versions[0]])} -> v{versions[-1]} "
+            f"{_pct(team[versions[-1]])}")
 
 
 def _staleness_line(data: RunData, names: list[str]) -> str | None:
@@ -311,7 +331,15 @@ def _staleness_line(data: RunData, names: list[str]) -> str | None:
                else "the dataflow's version at serving")
         parts.append(f"{m} {bands} (mean {mean_staleness(table):.2f} over {totals[0]} samples, "
                      f"against {ref})")
-    return ("staleness of trained samples: " + "; ".join(parts)) if parts else None
+    if not parts:
+        return None
+    bound = max_staleness(data.run_dir)
+    line = "staleness of trained samples: " + "; ".join(parts)
+    if bound is not None:
+        line += (f". The dataflow's bound: max_staleness {bound}, against its own version when "
+                 "it serves a batch; measured against the trainer's version, which runs up to a "
+                 "version or two ahead, a sample may show more")
+    return line
 
 
 #: the TensorBoard tags of the train/inference mismatch (astralight.rl.mismatch)
@@ -345,15 +373,27 @@ def _mismatch_line(data: RunData) -> str | None:
     return "train/inference mismatch (on-policy tokens): " + "; ".join(parts)
 
 
+def last_full_window(data: RunData) -> tuple[dict | None, bool]:
+    """The balance report the final decision is read from: the last *full* window of
+    ``balance.jsonl`` (the launcher marks the partial one written at the end ``final``: it may
+    hold a single version, too little to decide on), else the last report there is, else the
+    summary's. Returns ``(report, partial)``."""
+    full = [r for r in data.balance if not r.get("final")]
+    if full:
+        return full[-1], False
+    report = (data.balance[-1] if data.balance else None) or (data.summary or {}).get("balance")
+    return report, bool(report and report.get("final"))
+
+
 def _balance_line(data: RunData) -> str:
-    summary = data.summary or {}
-    report = summary.get("balance") or (data.balance[-1] if data.balance else None)
+    report, partial = last_full_window(data)
     if not report:
         return "final balance decision: none (no balance report in summary.json or balance.jsonl)"
     d = report.get("decision") or {}
     versions = report.get("versions") or []
     where = f" [{report.get('model_id', '?')}"
-    where += f", versions {versions[0]}..{versions[1]}]" if len(versions) == 2 else "]"
+    where += f", versions {versions[0]}..{versions[1]}" if len(versions) == 2 else ""
+    where += ", the last, partial window: no full one was written]" if partial else "]"
     return (f"final balance decision: {d.get('action')}, pool {d.get('pool')} -> "
             f"{d.get('target')} ({d.get('reason')}); wait fraction "
             f"{_pct(report.get('wait_fraction'))}{where}")
@@ -372,6 +412,9 @@ def summary_text(data: RunData, written: list[str], skipped: dict[str, str], win
         lines += [f"  {what}: {where}" for what, where in data.sources.items()]
     if data.evals:
         lines += [_eval_line(m, data.evals[m]) for m in names if data.evals.get(m)]
+        team = _team_line(data, names)
+        if team:
+            lines.append(team)
         lines += [line for m in names if data.evals.get(m)
                   for line in [eval_generation_line(data, m, data.evals[m])] if line]
         lines.append("eval per benchmark (avg@k, unbiased pass@k):")

@@ -21,8 +21,8 @@ from astralight.report.rundata import RunFolderError, load_run
 from tests.unit.run_folders import (ROLLOUTS, STEP_MS, T0, TRAINED, WAIT_MS, _balance, assert_png,
                                     write_summary)
 
-PLOTS = ("eval_accuracy.png", "reward.png", "wait_fraction.png", "staleness.png", "weights.png",
-         "pool.png")
+PLOTS = ("eval_accuracy.png", "wall_time.png", "reward.png", "entropy.png", "tool_calls.png",
+         "wait_fraction.png", "staleness.png", "weights.png", "pool.png")
 
 
 def write_db(run_dir: Path, benchmarks: bool = False) -> None:
@@ -64,6 +64,8 @@ def write_tensorboard(run_dir: Path, name: str = "policy", steps: int = 5) -> No
     writer = SummaryWriter(str(run_dir / "tensorboard" / name / "version_0"))
     for step in range(steps):
         writer.add_scalar("train/reward_mean", 0.2 + 0.1 * step, step)
+        writer.add_scalar("train/entropy", 1.0 - 0.1 * step, step)
+        writer.add_scalar("agent/tool_call_rate", 0.2 * step, step)
         writer.add_scalar("train/staleness_mean", 0.5 * (step % 2), step)
         writer.add_scalar("train/staleness_max", float(step % 2), step)
         writer.add_scalar("train/mismatch_abs_mean", 0.01 * (step + 1), step)
@@ -189,7 +191,8 @@ def test_db_without_evals_or_counters_skips_eval_and_wait(tmp_path):
     store.close()
     write_tensorboard(run_dir, steps=3)
     report = make_report(run_dir)
-    assert set(report.skipped) == {"eval_accuracy.png", "wait_fraction.png", "pool.png"}
+    assert set(report.skipped) == {"eval_accuracy.png", "wait_fraction.png", "pool.png",
+                                   "wall_time.png"}
     assert "no complete evaluation" in report.skipped["eval_accuracy.png"]
     assert "trainer_wait_ms / trainer_step_ms" in report.skipped["wait_fraction.png"]
     for name in ("reward.png", "staleness.png", "weights.png"):
@@ -253,6 +256,77 @@ def test_a_multi_policy_summary_reports_each_policy(tmp_path):
     report = make_report(run_dir)
     assert "policies: policy, verifier" in report.text
     assert "eval verifier: v0 100.0% -> v0 100.0% avg@2" in report.text
-    assert "team 50.0% -> 50.0%" in report.text
+    # the team's accuracy once, not on each policy's line
+    assert report.text.count("team") == 1 and "team accuracy: v0 50.0% -> v0 50.0%" in report.text
     assert "verifier 50.0% (0.5 s waiting of 1.0 s)" in report.text
     assert not report.skipped
+
+
+# ---------------------------------------------------------------- what the launcher's report adds
+
+
+def test_the_recipe_name_is_read_from_the_saved_recipe(full_run):
+    (full_run / "recipe.yaml").write_text("name: tool-use-lora\nstop: {versions: 4}\n")
+    assert "recipe: tool-use-lora" in make_report(full_run).text
+
+
+def test_the_final_balance_decision_is_the_last_full_windows(full_run):
+    """The launcher writes a last, partial window at the end (``final``), often one version:
+    too little to decide on, so the report reads the last full one."""
+    report = {**_balance(), "versions": [4, 4], "final": True, "wait_fraction": 0.9,
+              "decision": {"action": "hold", "pool": 2, "target": 2, "reason": "one version"}}
+    (full_run / "balance.jsonl").write_text(
+        json.dumps({**_balance(), "versions": [0, 1]}) + "\n" + json.dumps(_balance()) + "\n"
+        + json.dumps(report) + "\n")
+    text = make_report(full_run).text
+    line = next(x for x in text.splitlines() if x.startswith("final balance decision"))
+    assert line.startswith("final balance decision: scale_up, pool 1 -> 2") and "2..3" in line
+    (full_run / "balance.jsonl").write_text(json.dumps(report) + "\n")  # only the partial one
+    line = next(x for x in make_report(full_run).text.splitlines()
+                if x.startswith("final balance decision"))
+    assert "the last, partial window: no full one was written" in line
+
+
+def test_a_fixed_pool_draws_no_pool_plot(full_run):
+    (full_run / "autoscale.jsonl").unlink()
+    store = Store(full_run / "dataflow" / "dataflow.db")
+    with store.tx():
+        store.conn.execute("DELETE FROM instances WHERE instance_id='raas-b'")
+    store.close()
+    report = make_report(full_run)
+    assert report.skipped["pool.png"].startswith("a fixed pool of 1 instance(s) that never changed")
+    assert not (full_run / "report" / "pool.png").exists()
+
+
+def test_the_staleness_line_names_the_dataflows_bound(full_run):
+    cfg = full_run / "configs" / "dataflow.yaml"  # the dataflow's config, as the launcher exports it
+    cfg.write_text(cfg.read_text() + "max_staleness: 2\n")
+    data = load_run(full_run)
+    data.staleness = {"policy": {(4, 0): 10, (4, 3): 2}}
+    data.staleness_reference = {"policy": "trainer"}
+    from astralight.report.text import _staleness_line
+
+    line = _staleness_line(data, ["policy"])
+    assert "The dataflow's bound: max_staleness 2, against its own version" in line
+
+
+def test_throughput_is_samples_trained_per_second_between_publications(full_run):
+    from astralight.report.plots import throughput_series, version_seconds
+
+    data = load_run(full_run)
+    # versions 1..4 published at T0 + 2, 4, 6, 8; 16 samples trained for each
+    assert version_seconds(data, "policy") == {0: 0.0, 1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}
+    assert throughput_series(data, "policy", window=2) == ([4.0, 8.0], [8.0, 8.0])
+
+
+def test_the_bound_comes_from_the_exported_config_else_the_recipe_else_the_default(tmp_path):
+    from astralight.report.rundata import max_staleness
+
+    assert max_staleness(tmp_path) is None  # neither file: no bound to draw
+    (tmp_path / "recipe.yaml").write_text("name: r\ndataflow: {group_size: 8}\n")
+    assert max_staleness(tmp_path) == 4  # the dataflow's default
+    (tmp_path / "recipe.yaml").write_text("name: r\ndataflow: {max_staleness: 1}\n")
+    assert max_staleness(tmp_path) == 1
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "dataflow.yaml").write_text("max_staleness: 0\n")
+    assert max_staleness(tmp_path) == 0
