@@ -4,9 +4,10 @@ Workflows never touch vLLM directly: they see an :class:`Engine` (token ids in, 
 behaviour log-prob of every generated token out), so the same workflow runs on the real vLLM
 engine in production and on a small transformers engine in unit tests. This module holds what a
 workflow needs of an engine (:class:`SamplingSpec`, :class:`Completion`, the :class:`Engine`
-protocol and the helpers :func:`gather_all`, :func:`clamp_max_tokens`, :func:`engine_limits`);
-the engines themselves, and their shared request machinery (``EngineBase``, ``BatchedEngine``),
-live in the RaaS (``astralight.raas.engine``), which depends on this module and not the reverse.
+protocol, :class:`ConstraintError` and the helpers :func:`gather_all`, :func:`clamp_max_tokens`,
+:func:`engine_limits`); the engines themselves, and their shared request machinery
+(``EngineBase``, ``BatchedEngine``), live in the RaaS (``astralight.raas.engine``), which depends
+on this module and not the reverse.
 
 The contract is asynchronous and per request: ``await engine.generate(prompt_ids, params)`` is
 one completion, and any number of them may be in flight at once from any number of episodes. The
@@ -43,6 +44,16 @@ class SamplingSpec:
             derive each request's seed from the task id too (:meth:`for_request` with ``key``),
             so two tasks with the same prompt get different samples. If None the engine's own
             seeded generator is used.
+        constraint: constrained decoding (None: off), one of ``{"json_schema": SCHEMA}`` (the
+            completion is a JSON document matching the JSON schema ``SCHEMA``, a dict),
+            ``{"json_object": True}`` (any JSON object) or ``{"structural_tag": TAG}`` (xgrammar's
+            structural tag format, ``{"type": "structural_tag", "format": {...}}``: constant
+            strings, tags, JSON schemas, alternatives and repeats in sequence; the OpenAI endpoint
+            forces tool calls with it). Tokens the constraint rules out at a step get probability
+            0 and the rest are renormalised: the behaviour log-probs are those of this
+            constrained distribution (with temperature and top-p), the one each token was sampled
+            from. Only an engine with ``constrained_decoding = True`` honours it (vLLM); the
+            others refuse such a spec (:class:`ConstraintError`), never ignore it.
     """
 
     temperature: float = 1.0
@@ -50,6 +61,7 @@ class SamplingSpec:
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    constraint: dict | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -59,6 +71,8 @@ class SamplingSpec:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.constraint is not None:
+            check_constraint(self.constraint)
 
     def for_request(self, i: int, key: str = "") -> "SamplingSpec":
         """The spec of request ``i`` of a many-request call: its own seed, if seeded,
@@ -67,6 +81,37 @@ class SamplingSpec:
             return self
         offset = zlib.crc32(key.encode()) if key else 0
         return dataclasses.replace(self, seed=(self.seed + offset + i) % (1 << 31))
+
+
+#: the kinds of :attr:`SamplingSpec.constraint` (one key each)
+CONSTRAINT_KINDS = ("json_schema", "json_object", "structural_tag")
+
+
+def check_constraint(constraint: Any) -> None:
+    """ValueError naming what is wrong unless ``constraint`` is one of the forms
+    :attr:`SamplingSpec.constraint` documents (the shape only: whether a schema or tag compiles
+    is the engine's to say, with :class:`ConstraintError`)."""
+    if not isinstance(constraint, dict) or len(constraint) != 1 or next(
+            iter(constraint)) not in CONSTRAINT_KINDS:
+        raise ValueError(f"constraint: expected one of {{'json_schema': schema}}, "
+                         f"{{'json_object': True}}, {{'structural_tag': tag}}, got "
+                         f"{str(constraint)[:80]}")
+    kind, value = next(iter(constraint.items()))
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise ValueError("constraint.json_schema: must be a JSON schema object (a dict)")
+    if kind == "json_object" and value is not True:
+        raise ValueError("constraint.json_object: must be True")
+    if kind == "structural_tag" and not (isinstance(value, dict)
+                                         and value.get("type") == "structural_tag"
+                                         and isinstance(value.get("format"), dict)):
+        raise ValueError('constraint.structural_tag: expected {"type": "structural_tag", '
+                         '"format": {...}}')
+
+
+class ConstraintError(ValueError):
+    """The engine cannot apply a :attr:`SamplingSpec.constraint`: it cannot constrain decoding
+    at all, or this schema / tag uses what its grammar backend does not support or does not
+    compile. The request is refused; nothing was sampled."""
 
 
 @dataclass
@@ -138,7 +183,11 @@ class Engine(Protocol):
     episode ends when its context is full. The RaaS registers it with the dataflow, which
     refuses a pushed sample longer than it (:func:`engine_limits`). ``vocab_size``: the rows of
     the model's embedding (no token id at or above it exists), registered the same way. Both are
-    optional only for engines that cannot know them (None or absent: nothing is checked)."""
+    optional only for engines that cannot know them (None or absent: nothing is checked).
+
+    ``constrained_decoding``: True for an engine that honours :attr:`SamplingSpec.constraint`
+    with exact behaviour log-probs (those of the constrained distribution); absent or False: it
+    cannot, and the OpenAI endpoint refuses a request that needs it (a 400 naming the field)."""
 
     version: int
     tokenizer: Any

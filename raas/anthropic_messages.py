@@ -6,7 +6,9 @@ message, ``text`` blocks content, ``tool_use`` blocks an assistant turn's tool c
 ``tool_result`` blocks tool messages, ``input_schema`` tools chat tools, ``stop_sequences``
 stops), validated by the chat request's own checks, served by the same call, and answered as a
 ``message`` (:func:`message_body`: text and ``tool_use`` blocks, ``stop_reason``). One record
-and one token stream serve every dialect. The SDK's ``x-api-key`` header carries the same key as
+and one token stream serve every dialect. ``tool_choice`` ``any`` and ``{"type": "tool", "name"}``
+force tool calls by constrained decoding (recorded exactly; see
+:mod:`~astralight.raas.openai_requests`). The SDK's ``x-api-key`` header carries the same key as
 the bearer token. ``stream: true`` sends the finished message as the Messages event stream
 (:func:`message_events`), so the sampling and the record are those of a plain call.
 """
@@ -143,12 +145,30 @@ def chat_body(body: Any) -> dict:
         chat["stop"] = body["stop_sequences"]
     choice = body.get("tool_choice")
     if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "none"):
-            raise bad_request("tool_choice", "only {\"type\": \"auto\"} and {\"type\": \"none\"} "
-                              "are supported (forcing a tool would change the sampling)")
-        chat["tool_choice"] = kind
+        chat.update(_tool_choice(choice))
     return chat
+
+
+def _tool_choice(choice: Any) -> dict:
+    """``tool_choice`` as chat request fields: ``auto`` / ``none`` as they are, ``any`` as
+    ``"required"``, ``{"type": "tool", "name"}`` as that named function (both forced by
+    constrained decoding), ``disable_parallel_tool_use`` as ``parallel_tool_calls: false``."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "none", "any", "tool"):
+        raise bad_request("tool_choice", 'must be {"type": T} with T one of auto, none, any, '
+                          f"tool, got {str(choice)[:80]}")
+    out: dict = {"tool_choice": "required" if kind == "any" else kind}
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice.name", "is required for {\"type\": \"tool\"}")
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise bad_request("tool_choice.disable_parallel_tool_use", "must be true or false")
+        if kind != "none":
+            out["parallel_tool_calls"] = not parallel
+    return out
 
 
 def message_body(ep: Episode, record: CallRecord) -> dict:

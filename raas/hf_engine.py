@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.engine import Completion, ConstraintError, SamplingSpec, clamp_max_tokens
 
 from astralight.raas.engine import BatchedEngine
 
@@ -46,7 +46,13 @@ class HFEngine(BatchedEngine):
 
     Args: model_path (a model folder), seed (the sampler's generator), version of its weights,
     max_model_len, device (``"cpu"``, ``"cuda"``), dtype (``"float32"``, ``"bfloat16"``),
-    batch_size (requests per forward pass; 1 = the exact per-request path)."""
+    batch_size (requests per forward pass; 1 = the exact per-request path).
+
+    It cannot constrain decoding: a spec with a ``constraint`` (a JSON schema, a forced tool
+    call) is refused with :class:`~astralight.engine.ConstraintError` when submitted."""
+
+    #: no grammar-constrained sampling here (see SamplingSpec.constraint)
+    constrained_decoding = False
 
     def __init__(self, model_path: str, seed: int = 0, version: int = 0,
                  max_model_len: int | None = None, device: str = "cpu", dtype: str = "float32",
@@ -77,6 +83,12 @@ class HFEngine(BatchedEngine):
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = {eos} if eos is not None else set()
         self.start_s = time.perf_counter() - t
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingSpec):
+        if params.constraint is not None:
+            raise ConstraintError(f"constraint: the transformers engine ({type(self).__name__}) "
+                                  "cannot constrain decoding; serve the policy with vLLM")
+        return super().submit(prompt_token_ids, params)
 
     def _generate(self, prompt_token_ids: list[list[int]], params: SamplingSpec) -> list[Completion]:
         import torch

@@ -14,6 +14,12 @@ The model's ``<tool_call>{json}</tool_call>`` blocks (Qwen3/Hermes, read by
 ``chat.completion`` object (``finish_reason`` ``"tool_calls"`` when there are any, ``usage``
 counting the tokens), and :func:`completion_chunks` / :func:`sse_events` as the chunks of a
 streamed call (``stream: true``: the completion is whole before its first chunk is sent).
+
+A request that constrains decoding (``response_format`` JSON, ``tool_choice`` ``"required"`` or a
+named tool) gets its :attr:`~astralight.engine.SamplingSpec.constraint` from
+:func:`request_constraint` (forced calls: :func:`tool_calls_format`, in the
+``<tool_call>{"name", "arguments"}</tool_call>`` format :func:`split_tool_calls` reads), and is
+answered with a 400 naming that field when the engine cannot constrain decoding.
 """
 
 from __future__ import annotations
@@ -32,13 +38,13 @@ from typing import Any, Callable, TypeVar
 from astralight.agents.chat import encode, render
 from astralight.agents.token_bound import fewest_tokens, max_chars_per_token
 from astralight.agents.tools import parse_tool_calls, split_at_last_close
-from astralight.engine import Completion, SamplingSpec
+from astralight.engine import Completion, ConstraintError, SamplingSpec
 from astralight.raas.openai_episodes import CallRecord, Episode
 from astralight.raas.openai_requests import ChatRequest, RequestError, bad_request
 from astralight.workflows.chat_episodes import decode_turn
 
 __all__ = ["complete", "prepare_prompt", "off_loop", "sampling_spec", "split_tool_calls",
-           "split_stops", "cut_at_stop_string",
+           "split_stops", "cut_at_stop_string", "request_constraint", "tool_calls_format",
            "completion_body", "completion_chunks", "sse_events"]
 
 T = TypeVar("T")
@@ -84,16 +90,26 @@ class Prompt:
     stop_ids: list[int]
     tools: list[dict]
     stop_strings: list[str] = dataclasses.field(default_factory=list)  # several tokens each
+    constraint: dict | None = None  # the SamplingSpec.constraint of the call (None: none)
 
 
 async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
     """Call ``index`` of ``ep``, on the episode's loop: render and tokenize (off the loop),
     generate, parse (off the loop), record."""
     engine = ep.engine
+    if req.constraint_param is not None and not getattr(engine, "constrained_decoding", False):
+        raise bad_request(req.constraint_param, f"the policy engine ({type(engine).__name__}) "
+                          "cannot constrain decoding, so it cannot honour this field (and the "
+                          "recorded log-probs must be those of what was sampled from); serve "
+                          "the policy with vLLM, or leave the field unset", "unsupported_value")
     prompt = await off_loop(prepare_prompt, ep, req)
-    spec = sampling_spec(ep, req, index, prompt.room, prompt.stop_ids)
+    spec = sampling_spec(ep, req, index, prompt.room, prompt.stop_ids, prompt.constraint)
     version = int(engine.version)
-    completion = await engine.generate(prompt.ids, spec)
+    try:
+        completion = await engine.generate(prompt.ids, spec)
+    except ConstraintError as exc:  # the schema or tag the request asked for
+        raise bad_request(req.constraint_param or "response_format", f"the policy engine cannot "
+                          f"apply this constraint: {exc}", "unsupported_value") from None
     if completion.finish_reason == "abort":
         raise RequestError(503, None, "the policy engine aborted this call; retry",
                            "engine_aborted", "server_error")
@@ -134,7 +150,7 @@ def prepare_prompt(ep: Episode, req: ChatRequest) -> Prompt:
                           f"context holds {limit} (prompt and completion)",
                           "context_length_exceeded")
     stop_ids, stop_strings = split_stops(tok, req.stop)
-    return Prompt(ids, room, stop_ids, tools, stop_strings)
+    return Prompt(ids, room, stop_ids, tools, stop_strings, request_constraint(req, tok, text))
 
 
 def render_prompt(tok: Any, messages: list[dict], tools: list[dict], kwargs: dict) -> str:
@@ -233,10 +249,11 @@ def call_record(ep: Episode, req: ChatRequest, index: int, prompt: Prompt, compl
 
 
 def sampling_spec(ep: Episode, req: ChatRequest, index: int, room: int | None,
-                  stop_ids: list[int]) -> SamplingSpec:
+                  stop_ids: list[int], constraint: dict | None = None) -> SamplingSpec:
     """The engine's sampling for call ``index``: the request's own temperature, top_p and seed
     unless the episode forces its sampling, ``max_tokens`` capped by the ``room`` left in the
-    context, the request's single-token stops added to the episode's."""
+    context, the request's single-token stops added to the episode's, and the request's
+    ``constraint`` (:func:`request_constraint`)."""
     s = ep.settings
     base = s.sampling.for_request(s.seed_slot + index * s.seed_stride, s.seed_key)
     own = not s.force_sampling
@@ -247,7 +264,111 @@ def sampling_spec(ep: Episode, req: ChatRequest, index: int, room: int | None,
         max_tokens = min(max_tokens, room)
     return SamplingSpec(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                         stop_token_ids=list(base.stop_token_ids) + stop_ids,
-                        seed=req.seed % (1 << 31) if own and req.seed is not None else base.seed)
+                        seed=req.seed % (1 << 31) if own and req.seed is not None else base.seed,
+                        constraint=constraint)
+
+
+#: the chat format's tool-call block (Qwen3 / Hermes), as :func:`split_tool_calls` reads it
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: most consecutive whitespace characters between the tokens of a forced call's arguments: one,
+#: as chat templates write calls (``tojson``: ``{"a": 1, "b": 2}``), or none (compact). Bounded
+#: so that a policy cannot spend its tokens on whitespace inside a call it was forced to make.
+TOOL_CALL_MAX_WHITESPACE = 1
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
+
+def _optional(fmt: dict) -> dict:
+    return {"type": "optional", "content": fmt}
+
+
+def _sequence(*elements: dict | None) -> dict:
+    return {"type": "sequence", "elements": [e for e in elements if e is not None]}
+
+
+def _tool_call(tool: dict) -> dict:
+    """One ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`` block of ``tool``: the
+    name fixed, the arguments a JSON object matching its ``parameters`` (none declared: ``{}``),
+    a newline allowed inside each tag (Qwen3 writes them, Hermes-style toy models do not)."""
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return _sequence(
+        _const(TOOL_CALL_OPEN), _optional(_const("\n")),
+        _const('{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '),
+        {"type": "json_schema", "json_schema": params,
+         "max_whitespace_cnt": TOOL_CALL_MAX_WHITESPACE},
+        _const("}"), _optional(_const("\n")), _const(TOOL_CALL_CLOSE))
+
+
+def tool_calls_format(tools: list[dict], parallel: bool = True) -> dict:
+    """The structural-tag format (xgrammar's, :attr:`~astralight.engine.SamplingSpec.constraint`)
+    of a turn made of tool calls: one block of any of ``tools`` (chat tool dicts), then, with
+    ``parallel``, any number more, each after a newline; nothing else (the stop token follows).
+    """
+    if not tools:
+        raise ValueError("tools: a forced tool call needs at least one tool")
+    calls = [_tool_call(t) for t in tools]
+    one = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    if not parallel:
+        return one
+    return _sequence(one, {"type": "star", "content": _sequence(_const("\n"), one)})
+
+
+def _has_token(tok: Any, text: str) -> bool:
+    """Whether ``text`` is one token of ``tok``'s vocabulary."""
+    try:
+        tid = tok.convert_tokens_to_ids(text)
+    except Exception:  # noqa: BLE001 - a tokenizer without the lookup: no
+        return False
+    return isinstance(tid, int) and tid != getattr(tok, "unk_token_id", None)
+
+
+def think_prefix(tok: Any, prompt_text: str) -> dict | None:
+    """What a forced tool call lets the policy write before its calls: its reasoning, where its
+    chat template reasons in ``<think>`` blocks (Qwen3). A prompt that ends inside an open
+    ``<think>`` (templates that open it) continues it to ``</think>``; one that ends after
+    ``</think>`` (Qwen3 with ``enable_thinking: false``) gets nothing; otherwise, with a
+    ``<think>`` token in the vocabulary, an optional ``<think>...</think>`` block. Up to four
+    whitespace characters may follow the block."""
+    tail = prompt_text.rstrip()
+    gap = {"type": "regex", "pattern": "\\s{0,4}"}
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": THINK_CLOSE}
+    if tail.endswith(THINK_CLOSE):
+        return None
+    if tail.endswith(THINK_OPEN):
+        return _sequence(thinking, gap)
+    if not _has_token(tok, THINK_OPEN):
+        return None
+    return _optional(_sequence({**thinking, "begin": THINK_OPEN}, gap))
+
+
+def request_constraint(req: ChatRequest, tok: Any, prompt_text: str) -> dict | None:
+    """The :attr:`~astralight.engine.SamplingSpec.constraint` of a request (None: none).
+
+    ``tool_choice`` ``"required"`` / a named tool: tool calls only (:func:`tool_calls_format`;
+    of every declared tool, or of the named one; one call with ``parallel_tool_calls: false``),
+    after the reasoning the template allows (:func:`think_prefix`). Otherwise a JSON
+    ``response_format``: the JSON document alone (vLLM's JSON schema / JSON object modes), or,
+    with tools announced (``tool_choice`` ``"auto"``), the JSON document or tool calls."""
+    if req.forced_tools:
+        tools = [t for t in req.tools if req.tool_choice == "required"
+                 or t["function"]["name"] == req.tool_name]
+        calls = tool_calls_format(tools, req.parallel_tool_calls)
+        return {"structural_tag": {"type": "structural_tag",
+                                   "format": _sequence(think_prefix(tok, prompt_text), calls)}}
+    fmt = req.response_format
+    if fmt is None:
+        return None
+    schema = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+    if req.use_tools and req.tools:
+        answer = {"type": "json_schema", "json_schema": schema}
+        calls = tool_calls_format(req.tools, req.parallel_tool_calls)
+        return {"structural_tag": {"type": "structural_tag",
+                                   "format": {"type": "or", "elements": [answer, calls]}}}
+    return {"json_schema": schema} if fmt["type"] == "json_schema" else {"json_object": True}
 
 
 def split_tool_calls(text: str, tools: list[dict], episode_id: str,

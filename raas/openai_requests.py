@@ -6,10 +6,20 @@ in OpenAI's error layout that every route answers with.
 nothing about the sampling changes), and so are stop strings of several tokens (generation
 runs on to its end, and the completion is cut after the first:
 :func:`~astralight.raas.openai_completions.cut_at_stop_string`).
-Anything the endpoint cannot honour exactly (``n > 1``, penalties, logit bias,
-``response_format`` other than text, top log-probs, images...) is a 400 naming the field, never
-silently ignored: the trainer corrects for the behaviour log-probs of what was sampled, so a
-request option that changed the sampling without being recorded would bias training.
+Constrained decoding is honoured where the policy engine can constrain it with exact behaviour
+log-probs (vLLM): ``response_format`` ``json_object`` / ``json_schema`` (the completion is JSON,
+matching the schema), ``tool_choice: "required"`` and a named tool (the completion is one or
+more tool calls in the chat format's ``<tool_call>{"name", "arguments"}</tool_call>`` blocks,
+of the declared tools or of the named one, with arguments matching their parameter schemas;
+``parallel_tool_calls: false``: exactly one). The tokens the constraint rules out get
+probability 0, and the recorded log-probs are those of the constrained distribution each token
+was sampled from (:attr:`~astralight.engine.SamplingSpec.constraint`); an engine that cannot
+constrain decoding (the transformers engine) answers such a request with a 400 naming the
+field. ``tool_choice: "none"``: the tools are neither announced to the policy nor parsed.
+Anything the endpoint cannot honour exactly (``n > 1``, penalties, logit bias, top log-probs,
+images...) is a 400 naming the field, never silently ignored: the trainer corrects for the
+behaviour log-probs of what was sampled, so a request option that changed the sampling without
+being recorded would bias training.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 1000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: request fields that change nothing here (metadata for OpenAI's own bookkeeping)
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier",
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier",
                             "prediction", "prompt_cache_key", "safety_identifier",
                             # read by OpenAI's own reasoning models; a policy's template reads
                             # chat_template_kwargs (e.g. Qwen3's enable_thinking) instead
@@ -44,7 +54,8 @@ KNOWN_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "temperat
                           "max_tokens", "max_completion_tokens", "stop", "n", "stream",
                           "stream_options", "seed", "logprobs", "top_logprobs",
                           "frequency_penalty", "presence_penalty", "logit_bias",
-                          "response_format", "chat_template_kwargs"}) | IGNORED_FIELDS
+                          "response_format", "chat_template_kwargs",
+                          "parallel_tool_calls"}) | IGNORED_FIELDS
 #: chat template variables a request may not set (the endpoint sets them)
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents",
                                       "chat_template", "add_generation_prompt", "tokenize",
@@ -52,6 +63,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
 #: ``stream_options`` keys: ``include_usage`` is honoured; ``include_obfuscation`` (random
 #: padding against length side channels, meaningless on loopback) changes nothing here
 STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+#: ``tool_choice`` strings (a named tool is ``{"type": "function", "function": {"name": ...}}``)
+TOOL_CHOICES = ("auto", "none", "required")
+#: ``response_format`` types; ``json_object`` / ``json_schema`` constrain decoding
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class RequestError(Exception):
@@ -92,6 +107,27 @@ class ChatRequest:
     stream: bool = False  # answer as server-sent chunks (generated to the end first)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs (vLLM's extra)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    #: "auto", "none", "required" (at least one tool call, forced) or "named" (a call of
+    #: ``tool_name``, forced)
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True  # False: a forced choice makes exactly one call
+    #: ``response_format`` beyond text: ``{"type": "json_object"}`` or ``{"type":
+    #: "json_schema", "schema": {...}}`` (its ``json_schema.schema``); None: text
+    response_format: dict | None = None
+
+    @property
+    def forced_tools(self) -> bool:
+        """Whether the completion must be tool calls (``required`` or a named tool)."""
+        return self.tool_choice in ("required", "named")
+
+    @property
+    def constraint_param(self) -> str | None:
+        """The request field that constrains decoding (``tool_choice`` when it forces calls,
+        else ``response_format`` when it asks for JSON); None: unconstrained."""
+        if self.forced_tools:
+            return "tool_choice"
+        return "response_format" if self.response_format is not None else None
 
 
 def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -266,19 +302,18 @@ def parse_request(body: Any) -> ChatRequest:
                               "log-probs the trainer corrects for); leave it unset or 0")
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "is not supported; leave it unset")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("response_format", 'only {"type": "text"} is supported')
+    response_format = _response_format(body.get("response_format"))
     if _integer(body, "top_logprobs", 0, 20) not in (None, 0):
         raise bad_request("top_logprobs", "is not supported (only the sampled tokens' log-probs); "
                           "leave it unset or 0")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs", "must be true or false")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice",
-                          f'only "auto" and "none" are supported, got {tool_choice!r}')
+    tools = _tools(body.get("tools"))
+    tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls", "must be true or false")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -298,12 +333,75 @@ def parse_request(body: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
     return ChatRequest(
-        model=model, messages=_messages(body.get("messages")), tools=_tools(body.get("tools")),
+        model=model, messages=_messages(body.get("messages")), tools=tools,
         use_tools=tool_choice != "none", temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), max_tokens=max_tokens, stop=stops,
         seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), logprobs=bool(logprobs),
         stream=stream, include_usage=include_usage,
-        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
+        tool_choice=tool_choice, tool_name=tool_name, parallel_tool_calls=parallel is not False,
+        response_format=response_format)
+
+
+def _response_format(value: Any) -> dict | None:
+    """``response_format``: None for text, else ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "schema": SCHEMA}`` (OpenAI's ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}``; the schema is always enforced, ``strict``
+    or not)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise bad_request("response_format", f"must be {{\"type\": T}} with T one of "
+                          f"{list(RESPONSE_FORMATS)}, got {str(value)[:80]}")
+    kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise bad_request(f"response_format.{unknown[0]}", f"unknown field for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema", 'is required: {"name": ..., '
+                          '"schema": {...}}')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise bad_request(f"response_format.json_schema.{unknown[0]}", "unknown field (name, "
+                          "schema, strict and description are)")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request("response_format.json_schema.strict", "must be true or false")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema", "is required: a JSON schema "
+                          "object")
+    return {"type": "json_schema", "schema": schema}
+
+
+def _tool_choice(value: Any, tools: list[dict]) -> tuple[str, str | None]:
+    """``tool_choice`` as ``(choice, tool name)``: ``"auto"`` (also when unset), ``"none"``,
+    ``"required"``, or ``"named"`` with the name of a declared tool."""
+    if value is None:
+        return "auto", None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise bad_request("tool_choice", f"must be one of {list(TOOL_CHOICES)} or "
+                              f'{{"type": "function", "function": {{"name": ...}}}}, got '
+                              f"{value[:40]!r}")
+        if value == "required" and not tools:
+            raise bad_request("tool_choice", '"required" needs tools: declare them in tools')
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(
+            fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request("tool_choice", 'a named tool is {"type": "function", "function": '
+                          f'{{"name": ...}}}}, got {str(value)[:80]}')
+    names = [t["function"]["name"] for t in tools]
+    if fn["name"] not in names:
+        raise bad_request("tool_choice.function.name", f"{fn['name'][:80]!r} is not one of the "
+                          f"declared tools {names[:20]}")
+    return "named", fn["name"]
 
 
 def _template_kwargs(value: Any) -> dict:

@@ -10,6 +10,10 @@ as a ``response`` object (:func:`response_body`: the text as an ``output_text`` 
 tool call as a ``function_call`` item). So one token stream and one record serve both dialects,
 and a conversation continued in either merges into one sample the same way.
 
+``text.format`` ``json_object`` / ``json_schema`` becomes the chat request's ``response_format``
+and ``tool_choice`` ``"required"`` / ``{"type": "function", "name": ...}`` its forced tool choice
+(constrained decoding, recorded exactly; see :mod:`~astralight.raas.openai_requests`).
+
 ``previous_response_id`` continues a response of the same episode: its whole conversation (its
 input and its output) comes first. ``store: false`` is accepted (nothing outlives the episode
 anyway). ``stream: true`` sends the finished response as the Responses event stream
@@ -29,13 +33,14 @@ from astralight.raas.openai_requests import RequestError, bad_request, check_fie
 __all__ = ["chat_body", "response_body", "response_events", "RESPONSES_FIELDS"]
 
 #: request fields that change nothing here (OpenAI's own bookkeeping and reasoning settings)
-IGNORED = frozenset({"store", "metadata", "user", "parallel_tool_calls", "service_tier",
+IGNORED = frozenset({"store", "metadata", "user", "service_tier",
                      "truncation", "reasoning", "prompt_cache_key", "safety_identifier",
                      "background", "max_tool_calls"})
 #: every field a Responses request may carry here
 RESPONSES_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice",
                               "temperature", "top_p", "max_output_tokens", "previous_response_id",
-                              "stream", "include", "text", "seed", "chat_template_kwargs"}) | IGNORED
+                              "stream", "include", "text", "seed", "chat_template_kwargs",
+                              "parallel_tool_calls"}) | IGNORED
 #: ``include`` values honoured (log-probs of the output text)
 INCLUDES = frozenset({"message.output_text.logprobs"})
 
@@ -113,6 +118,49 @@ def _tools(value: Any) -> list[dict] | None:
     return out
 
 
+def _response_format(text: Any) -> dict | None:
+    """``text.format`` as the chat request's ``response_format`` (None: text): ``{"type":
+    "json_schema", "name", "schema", "strict", "description"}`` nests its fields under
+    ``json_schema`` as chat completions has them."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
+        raise bad_request("text.format", f"must be {{\"type\": T}} with T one of {list(kinds)}")
+    if fmt["type"] != "json_schema":
+        unknown = sorted(set(fmt) - {"type"})
+        if unknown:
+            raise bad_request(f"text.format.{unknown[0]}",
+                              f"unknown field for type {fmt['type']!r}")
+        return None if fmt["type"] == "text" else {"type": "json_object"}
+    fields = ("name", "schema", "strict", "description")
+    unknown = sorted(set(fmt) - {"type", *fields})
+    if unknown:
+        raise bad_request(f"text.format.{unknown[0]}", f"unknown field ({list(fields)} are "
+                          "supported)")
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad_request("text.format.schema", "is required: a JSON schema object")
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in fields if k in fmt}}
+
+
+def _tool_choice(choice: Any) -> Any:
+    """``tool_choice`` as chat completions has it: a named function ``{"type": "function",
+    "name"}`` nested as ``{"type": "function", "function": {"name"}}``; the strings as they are
+    (the chat request checks them); hosted tools refused."""
+    if isinstance(choice, str):
+        return choice
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(
+            choice.get("name"), str):
+        raise bad_request("tool_choice", '"auto", "none", "required" or {"type": "function", '
+                          f'"name": ...}} are supported, got {str(choice)[:80]}')
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
 def chat_body(body: Any, ep: Episode) -> dict:
     """The chat completions request a Responses request means (``previous_response_id``'s
     conversation first)."""
@@ -120,11 +168,7 @@ def chat_body(body: Any, ep: Episode) -> dict:
     include = body.get("include") or []
     if not isinstance(include, list) or set(include) - INCLUDES:
         raise bad_request("include", f"only {sorted(INCLUDES)} is supported")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if body.get("text") is not None and not isinstance(body.get("text"), dict):
-        raise bad_request("text", "must be an object")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("text.format", "only {\"type\": \"text\"} is supported")
+    response_format = _response_format(body.get("text"))
     messages: list[dict] = []
     prev = body.get("previous_response_id")
     if prev is not None:
@@ -150,7 +194,11 @@ def chat_body(body: Any, ep: Episode) -> dict:
             chat[dst] = body[src]
     choice = body.get("tool_choice")
     if choice is not None:
-        chat["tool_choice"] = choice
+        chat["tool_choice"] = _tool_choice(choice)
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if response_format is not None:
+        chat["response_format"] = response_format
     if include:
         chat["logprobs"] = True
     return chat
@@ -188,10 +236,11 @@ def response_body(ep: Episode, record: CallRecord, request: dict, chat: dict,
             "error": None, "model": record.model_id, "output": output,
             "instructions": request.get("instructions"),
             "previous_response_id": request.get("previous_response_id"),
-            "parallel_tool_calls": True, "tool_choice": request.get("tool_choice", "auto"),
+            "parallel_tool_calls": request.get("parallel_tool_calls", True) is not False,
+            "tool_choice": request.get("tool_choice", "auto"),
             "tools": request.get("tools") or [], "temperature": request.get("temperature"),
             "top_p": request.get("top_p"), "max_output_tokens": request.get("max_output_tokens"),
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (request.get("text") or {}).get("format") or {"type": "text"}},
             "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out,
                       "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from astralight.engine import Completion, SamplingSpec, clamp_max_tokens
+from astralight.engine import Completion, ConstraintError, SamplingSpec, clamp_max_tokens
 from astralight.raas import vllm_driver
 from astralight.raas.cpu_features import engine_dtype, request_amx
 from astralight.raas.engine import EngineBase
@@ -100,6 +100,37 @@ def write_peft_folder(path: str | Path, named_tensors: Mapping[str, Any], config
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
+
+
+def structured_outputs(constraint: Mapping[str, Any] | None) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for a ``SamplingSpec.constraint`` (None: none)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, value = next(iter(constraint.items()))
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=value)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=json.dumps(value))
+    raise ValueError(f"constraint: unknown kind {kind!r}")
+
+
+def _constraint_error(exc: Exception) -> Exception:
+    """vLLM's refusal of a constrained request as a :class:`ConstraintError`; anything else
+    unchanged. What vLLM validates of our requests besides the constraint (prompt length, token
+    ids, log-probs) the engine and the endpoint have checked before, so a refusal here is the
+    schema's or the tag's; vLLM's own message says which."""
+    from vllm.exceptions import VLLMValidationError
+
+    if isinstance(exc, (VLLMValidationError, ValueError)):
+        why = str(exc)
+        if exc.__cause__ is not None:  # e.g. "Invalid structural tag specification." from ...
+            why += f" ({type(exc.__cause__).__name__}: {exc.__cause__})"
+        return ConstraintError(f"vLLM refused this constrained request: {why[:800]}")
+    return exc
 
 
 INFLIGHT_UPDATES = ("keep", "abort")
@@ -192,7 +223,21 @@ class VLLMEngine(EngineBase):
 
     Behaviour log-probs are vLLM's ``processed_logprobs``: log-probs of the distribution actually
     sampled from (temperature and top-p applied), which is what an off-policy correction needs.
+
+    Constrained decoding (``SamplingSpec.constraint``: a JSON schema, any JSON object, an xgrammar
+    structural tag) is vLLM's structured outputs, with the engine's backend (``"auto"``: xgrammar,
+    falling back to guidance or outlines for what xgrammar refuses; ``engine_kwargs=
+    {"structured_outputs_config": {...}}`` chooses another, or compact JSON). The log-probs stay
+    exact: vLLM 0.32 applies the grammar's token bitmask to the logits (``-inf`` where the
+    grammar forbids a token; ``apply_grammar_bitmask`` in the model runner's ``sample_tokens``)
+    before its sampler applies temperature and top-p and computes the processed log-probs, so
+    they are the log-probs of the constrained, renormalised distribution the token was drawn
+    from (a token that is the only one allowed gets 0). A schema or tag vLLM refuses, or whose
+    grammar fails to compile, fails the request with :class:`~astralight.engine.ConstraintError`.
     """
+
+    #: honours ``SamplingSpec.constraint`` (see the class docstring)
+    constrained_decoding = True
 
     def __init__(self, model_path: str, dtype: str = "auto", max_model_len: int | None = None,
                  seed: int = 0, gpu_memory_utilization: float | None = None,
@@ -353,6 +398,7 @@ class VLLMEngine(EngineBase):
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
+            structured_outputs=structured_outputs(params.constraint),
             temperature=params.temperature, top_p=params.top_p,
             max_tokens=clamp_max_tokens(len(ids), params.max_tokens, self.max_model_len),
             stop_token_ids=list(params.stop_token_ids), seed=params.seed,
@@ -376,6 +422,8 @@ class VLLMEngine(EngineBase):
             self.llm.llm_engine.add_request(request.rid, {"prompt_token_ids": request.prompt},
                                             request.params, lora_request=self._lora)
         except BaseException as exc:  # noqa: BLE001 - e.g. a prompt vLLM refuses
+            if request.params.structured_outputs is not None and isinstance(exc, Exception):
+                exc = _constraint_error(exc)
             request.future.set_exception(exc)
             return
         request.start_version = int(self.version)
@@ -395,6 +443,12 @@ class VLLMEngine(EngineBase):
             tokens = list(o.token_ids)
             reason = str(o.finish_reason)
             self.tokens_generated += len(tokens)
+            if reason == "error" and not tokens and request.params.structured_outputs is not None:
+                # vLLM 0.32 fails a request this way when its grammar did not compile (the
+                # scheduler's grammar_compile_error_reqs)
+                request.future.set_exception(ConstraintError(
+                    "vLLM could not compile the grammar of this constraint (its log says why)"))
+                continue
             if reason in ("abort", "error"):  # vLLM gave up on it (our own cancel removes the
                 # request first): never hand a truncated rollout to a workflow
                 request.future.set_exception(RuntimeError(

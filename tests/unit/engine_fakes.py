@@ -184,3 +184,26 @@ class PromptScriptEngine(BatchedEngine):
     def prompts(self) -> list[str]:
         """The prompt texts served so far, in order."""
         return [text for text, _ in self.requests]
+
+
+class ConstrainedScriptEngine(PromptScriptEngine):
+    """A :class:`PromptScriptEngine` that declares ``constrained_decoding`` (as vLLM does), so the
+    OpenAI endpoint hands it constrained specs: each one's ``constraint`` is recorded in
+    ``requests`` with the spec, and the scripted text is returned as it is (a test scripts text
+    that satisfies the constraint; the fake checks nothing). A ``refuse`` message makes it
+    answer every constrained request with :class:`~astralight.engine.ConstraintError` (a schema
+    the engine's grammar backend rejects)."""
+
+    constrained_decoding = True
+
+    def __init__(self, *args: Any, refuse: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.refuse = refuse
+
+    def submit(self, prompt_token_ids, params):
+        """Refuse a constrained spec when told to, as vLLM refuses a schema it cannot compile."""
+        if self.refuse is not None and params.constraint is not None:
+            from astralight.engine import ConstraintError
+
+            raise ConstraintError(self.refuse)
+        return super().submit(prompt_token_ids, params)
