@@ -245,7 +245,20 @@ def call_record(ep: Episode, req: ChatRequest, index: int, prompt: Prompt, compl
         finish_reason="stop" if completion.finish_reason == "stop_string" else
         completion.finish_reason, version=version, messages=req.messages,
         tools=prompt.tools, text=out, content=content, tool_calls=calls,
-        tool_call_errors=errors, temperature=float(spec.temperature))
+        tool_call_errors=errors, temperature=float(spec.temperature),
+        constrained=constraint_kind(req, spec.constraint))
+
+
+def constraint_kind(req: ChatRequest, constraint: dict | None) -> str | None:
+    """What a :attr:`~astralight.engine.SamplingSpec.constraint` (:func:`request_constraint`)
+    forced, for the record: ``tool_calls`` (``tool_choice`` required or named),
+    ``json_or_tool_calls`` (a JSON ``response_format`` with tools announced), ``json_schema`` /
+    ``json_object``; None for none."""
+    if not constraint:
+        return None
+    if "structural_tag" in constraint:
+        return "tool_calls" if req.forced_tools else "json_or_tool_calls"
+    return next(iter(constraint))
 
 
 def sampling_spec(ep: Episode, req: ChatRequest, index: int, room: int | None,

@@ -41,6 +41,9 @@ class CallRecord:
     tool_calls: list[dict]
     tool_call_errors: dict[str, int]
     temperature: float
+    #: how the decoding was constrained: ``json_schema``, ``json_object`` (``response_format``)
+    #: or ``tool_calls`` (``tool_choice`` required or named); None when it was not
+    constrained: str | None = None
 
 
 @dataclass

@@ -119,6 +119,14 @@ def is_async_agent(agent: Any) -> bool:
         getattr(agent, "__call__", None))
 
 
+def _constrained(records: Sequence[Any], indices: Sequence[int]) -> dict:
+    """``{"constrained": [kinds]}`` when some call of a segment had constrained decoding
+    (``response_format`` JSON, forced tool calls), so a user sees it in the sample; else {}."""
+    kinds = sorted({r.constrained for r in records
+                    if r.index in set(indices) and getattr(r, "constrained", None)})
+    return {"constrained": kinds} if kinds else {}
+
+
 def load_agent(agent: Any) -> Callable[..., Any]:
     """The agent function from an import path (``pkg.module.function``) or a callable."""
     if callable(agent):
@@ -490,7 +498,8 @@ class OpenAIAgentWorkflow(Workflow):
                 reward=float(ep.reward), prompt_len=seg.prompt_len, group_index=slot,
                 role=self.role,
                 metadata={**meta, "segment": j, "calls": len(seg.calls),
-                          "temperature": seg.temperature}))
+                          "temperature": seg.temperature,
+                          **_constrained(ep.calls, seg.calls)}))
         return out
 
     async def score(self, text: str, metadata: dict) -> float:

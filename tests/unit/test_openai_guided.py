@@ -263,6 +263,20 @@ def test_constraints_reach_the_engine(endpoint, tok):
     # tool_choice none: unconstrained, tools not announced, the call text left as content
     assert specs[3].constraint is None and "tools:" not in engine.requests[3][0]
     assert none.choices[0].message.content == CALL_ADD and records[3].tool_calls == []
+    # each record says how its decoding was constrained (the samples carry it on)
+    assert [r.constrained for r in records] == ["tool_calls", "tool_calls", "json_schema", None]
+
+
+def test_a_samples_metadata_lists_its_calls_constraints():
+    from types import SimpleNamespace
+
+    from astralight.workflows.openai_agent import _constrained
+
+    records = [SimpleNamespace(index=0, constrained="tool_calls"),
+               SimpleNamespace(index=1, constrained=None),
+               SimpleNamespace(index=2, constrained="json_schema")]
+    assert _constrained(records, [0, 1, 2]) == {"constrained": ["json_schema", "tool_calls"]}
+    assert _constrained(records, [1]) == {}
 
 
 def test_responses_and_messages_dialects(endpoint, tok):
