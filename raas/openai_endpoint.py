@@ -92,6 +92,11 @@ __all__ = ["OpenAIEndpoint", "shared_endpoint", "EpisodeSettings", "Episode", "C
 
 log = logging.getLogger("astralight.raas.openai")
 
+#: a chat request's field names as the Responses API names them, in its refusals
+RESPONSES_PARAM_NAMES = {"max_completion_tokens": "max_output_tokens",
+                         "response_format": "text.format",
+                         "tool_choice.function.name": "tool_choice.name"}
+
 #: keys of closed episodes remembered, so a late call hears that its episode ended
 CLOSED_KEYS_KEPT = 4096
 
@@ -303,15 +308,11 @@ class OpenAIEndpoint:
                 ep = episode(request)
                 raw = await read_json(request, self.max_body_bytes)
                 chat = chat_body(raw, ep)
-                try:
-                    req = parse_request(chat)
-                except RequestError as exc:  # named as the Responses request names it
-                    if exc.param == "max_completion_tokens":
-                        exc.param = "max_output_tokens"
-                    raise
+                req = parse_request(chat)
                 record = await self._record(ep, req)
                 body = await asyncio.to_thread(response_body, ep, record, raw, chat, req.logprobs)
-            except RequestError as exc:
+            except RequestError as exc:  # named as the Responses request names the field
+                exc.param = RESPONSES_PARAM_NAMES.get(exc.param, exc.param)
                 return error(exc)
             if not raw.get("stream"):
                 return JSONResponse(body)

@@ -358,3 +358,17 @@ def test_the_transformers_engine_refuses_constraints(tiny_model_dir):
         assert len(eng.generate_batch([[1, 2, 3]], SamplingSpec(max_tokens=2))[0].token_ids) <= 2
     finally:
         eng.close()
+
+
+def test_the_responses_api_names_a_refused_constraint_as_it_names_the_field(endpoint, tok):
+    plain = PromptScriptEngine(_scripted, tok, max_model_len=512)  # no constrained_decoding
+
+    def run(base_url, key):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="policy", input="123+456, answer as JSON",
+                                    text={"format": {"type": "json_object"}})
+        return err.value.body["param"]
+
+    param, records = _episode(endpoint, plain, run)
+    assert param == "text.format" and records == []
