@@ -14,6 +14,7 @@
     astralight export CKPT --out DIR [--model-path BASE] [--dtype bfloat16|float32|float16]
                       [--merge-lora] [--force]   a trainer checkpoint (file or FSDP2 folder) as a
                                                  Hugging Face model folder (or a LoRA adapter)
+    astralight prepare [RECIPE] [--run-dir RUN]  run a recipe's prepare step alone, then exit
     astralight prepare-toy DIR                   build the toy recipe's warm-started tiny policy
 
 Sub-commands import their component lazily, so ``astralight fit`` never imports vLLM and
@@ -176,6 +177,10 @@ def _main(argv: list[str]) -> int:
         from astralight.export import main as export_main
 
         return export_main(rest) or 0
+    if command == "prepare":
+        from astralight.launch.prepare import main as prepare_recipe_main
+
+        return prepare_recipe_main(rest) or 0
     if command == "prepare-toy":
         from astralight.tasks.warmstart import main as prepare_main
 

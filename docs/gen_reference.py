@@ -58,6 +58,7 @@ COMMANDS = [
     ("autoscale", "astralight autoscale", ["autoscale", "--help"]),
     ("report", "astralight report", ["report", "--help"]),
     ("export", "astralight export", ["export", "--help"]),
+    ("prepare", "astralight prepare", ["prepare", "--help"]),
     ("prepare-toy", "astralight prepare-toy", ["prepare-toy", "--help"]),
 ]
 
@@ -95,7 +96,7 @@ GROUPS: dict[str, list[list[str]]] = {
     + [["raas", "serve", "--workflow.help", w] for w in WORKFLOWS],
     "fit": [["fit", "--help"]] + [argv for _, argv in TRAINER_CLASSES],
     "tools": [argv for stem, _, argv in COMMANDS
-              if stem in ("autoscale", "report", "export", "prepare-toy")],
+              if stem in ("autoscale", "report", "export", "prepare", "prepare-toy")],
 }
 
 

@@ -34,10 +34,12 @@ nor repeat a version, the last (partial) one at the end of the run; with a fixed
 is marked advice only (:mod:`astralight.launch.balance`). The last one is in the summary.
 
 Stopping (:mod:`astralight.launch.stop`): at ``stop.versions`` (derived from the trainer's
-``max_steps`` when not set), ``stop.max_wall_s``, ``stop.target_accuracy`` or ``stop.timeout_s``,
-every stop goes the same way: trainers still running get SIGTERM (they save their last checkpoint
-and publish their last version), the last version of each policy is evaluated whatever
-``eval.every`` says, and the summary is written with ``stop_reason``; a timeout then fails the run.
+``max_steps`` when not set; neither set with a time budget: a time-only run), ``stop.max_wall_s``,
+``stop.target_accuracy``, ``stop.timeout_s`` or the first Ctrl-C / SIGTERM, every stop goes the
+same way: trainers still running get SIGTERM (they save their last checkpoint and publish their
+last version), the last version of each policy is evaluated whatever ``eval.every`` says, and the
+summary is written with ``stop_reason``; a timeout then fails the run, and an interrupted run
+prints its ``--resume`` command and exits 130. A second Ctrl-C stops every component at once.
 
 Output: progress lines with a rate and an ETA (:mod:`astralight.launch.progress`), everything the
 launcher prints also in ``RUN/launch.log`` (:mod:`astralight.launch.log`), the full record in
@@ -69,8 +71,8 @@ interrupted run: it reads ``RUN_DIR/recipe.yaml`` (or the recipe given), refuses
 components listed in ``pids.json`` still run, reuses the prepared model, restarts the dataflow
 on its state and the trainers from their last checkpoints, and runs to ``stop.versions``; its
 summary is the whole run's (the dataflow's counters are durable; restarts and trainer time add
-up over launches, ``resumes`` counts the resumptions). SIGTERM stops the launcher like Ctrl-C
-(components in order), leaving the folder resumable. SIGKILL of the launcher (which no handler
+up over launches, ``resumes`` counts the resumptions, ``launches`` labels each launch). SIGTERM
+stops the launcher like Ctrl-C (the normal stop), leaving the folder resumable. SIGKILL of the launcher (which no handler
 sees) stops every component too, on Linux: each gets SIGTERM from the kernel (parent-death signal,
 :mod:`astralight.proc`) and stops as on a polite stop, the folder left resumable.
 

@@ -585,7 +585,7 @@ def astralight_commands() -> dict[str, str]:
 
     pages = {"run": "run", "dataflow serve": "dataflow-serve", "raas serve": "raas-serve",
              "fit": "fit", "autoscale": "autoscale", "report": "report", "export": "export",
-             "prepare-toy": "prepare-toy"}
+             "prepare": "prepare", "prepare-toy": "prepare-toy"}
     listed = set(re.findall(r"^\s*astralight ((?:dataflow |raas )?[a-z-]+)", USAGE, re.M))
     assert set(pages) <= listed | {"run"}, f"astralight --help lists {sorted(listed)}"
     return pages
