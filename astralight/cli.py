@@ -106,8 +106,20 @@ def _torch_extra_error(command: str, name: str, exc: BaseException) -> int:
     return 2
 
 
+#: what ``astralight fit`` with no arguments prints (LightningCLI's own usage would offer
+#: ``{fit,validate,test,predict}`` under the wrong program name)
+FIT_USAGE = ("usage: astralight fit --config TRAINER.yaml [--section.key VALUE ...]\n"
+             "       astralight fit --help   (every option)\n"
+             "A trainer needs a config: `astralight run --export-configs DIR RECIPE` writes one "
+             "per policy (DIR/trainer.yaml), and `astralight run` starts it for you.")
+
+
 def _fit(argv: list[str]) -> int:
     from astralight.dataflow.client import DataflowStopped, DataflowUnreachable, wake_on_sigterm
+
+    if not argv:
+        print(FIT_USAGE, file=sys.stderr)
+        return 2
     from astralight.trainer_cli import main as fit_main
 
     wake_on_sigterm()  # a SIGTERM wakes a wait for an unreachable dataflow (see the client)

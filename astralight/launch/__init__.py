@@ -121,7 +121,9 @@ __all__ = ["Component", "EXPORT_PORT", "LAUNCH_STATE", "RecipeError", "autoscale
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astralight run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="astralight run", description="Start a whole run on this machine (dataflow, rollout "
+        "services, trainers), watch it, and stop it cleanly.", allow_abbrev=False)
     parser.add_argument("recipe", nargs="?", default=None,
                         help="recipe YAML (default: the embedded toy recipe; with --resume: the "
                              "recipe saved in the run folder)")

@@ -49,3 +49,10 @@ def test_a_bad_recipe_key_is_named_and_nothing_is_prepared(tmp_path, capsys):
                 "stop.versionz=3"]) == 2
     assert "versionz" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_fit_without_arguments_says_how_to_give_it_a_config(capsys):
+    assert cli(["fit"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: astralight fit --config TRAINER.yaml")
+    assert "{fit,validate,test,predict}" not in err and "--export-configs" in err
