@@ -332,6 +332,23 @@ def crash_recipe(tmp_path: Path, versions: int = 6) -> Path:
     return path
 
 
+def start_run(recipe: Path, run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``astralight run RECIPE --run-dir RUN_DIR`` in the background, its output in ``log``,
+    once its three components run: ``(launcher, dataflow url)``. The launcher is killed if they
+    never all start."""
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
+                                     str(recipe), "--run-dir", str(run_dir)],
+                                    stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(read_pids(run_dir)) == 3, 300, "every component started", launcher, log)
+    except BaseException:
+        launcher.kill()
+        launcher.wait()
+        raise
+    return launcher, dataflow_url(run_dir)
+
+
 def dataflow_url(run_dir: Path) -> str:
     cfg = yaml.safe_load((run_dir / "configs" / "dataflow.yaml").read_text())
     return f"http://127.0.0.1:{cfg['port']}"
@@ -361,15 +378,10 @@ def test_run_restarts_a_killed_trainer_from_last_ckpt(tmp_path):
     # the trainer then trained 6 small batches from the buffer before the kill could land
     # between version 2 and the end (no progress left to recover: recovery_s stayed None)
     recipe = crash_recipe(tmp_path, versions=30)
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
-                                     str(recipe), "--run-dir", str(run_dir)],
-                                    stdout=out, stderr=subprocess.STDOUT)
+    launcher, url = start_run(recipe, run_dir, log)
     try:
-        pids = wait_for(lambda: read_pids(run_dir).get("trainer-policy") and read_pids(run_dir),
-                        300, "pids.json with the trainer", launcher, log)
+        pids = read_pids(run_dir)
         assert set(pids) == {"dataflow", "raas-0", "trainer-policy"}
-        url = dataflow_url(run_dir)
         wait_for(lambda: current_version(url) >= 2 and
                  (run_dir / "checkpoints" / "policy" / "last.ckpt").exists(), 300,
                  "version 2 and last.ckpt", launcher, log)
@@ -412,13 +424,8 @@ def test_run_resume_completes_an_interrupted_run_folder(tmp_path):
     # 30 versions, not 6: with the RaaS prewarmed, 6 versions were all trained before the kill
     # after version 2 could land, leaving the resume nothing to complete
     recipe = crash_recipe(tmp_path, versions=30)
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
-                                     str(recipe), "--run-dir", str(run_dir)],
-                                    stdout=out, stderr=subprocess.STDOUT)
+    launcher, url = start_run(recipe, run_dir, log)
     try:
-        wait_for(lambda: len(read_pids(run_dir)) == 3, 300, "every component started", launcher, log)
-        url = dataflow_url(run_dir)
         wait_for(lambda: current_version(url) >= 2 and
                  (run_dir / "checkpoints" / "policy" / "last.ckpt").exists(), 300,
                  "version 2 and last.ckpt", launcher, log)
@@ -463,13 +470,8 @@ def test_ctrl_c_is_the_normal_stop_and_the_resume_finishes_the_run(tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "launch-1.log"
     recipe = crash_recipe(tmp_path, versions=30)
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "astralight.cli", "run",
-                                     str(recipe), "--run-dir", str(run_dir)],
-                                    stdout=out, stderr=subprocess.STDOUT)
+    launcher, url = start_run(recipe, run_dir, log)
     try:
-        wait_for(lambda: len(read_pids(run_dir)) == 3, 300, "every component started", launcher, log)
-        url = dataflow_url(run_dir)
         wait_for(lambda: current_version(url) >= 3, 300, "version 3", launcher, log)
         launcher.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the launcher
         assert launcher.wait(timeout=400) == 130, log.read_text()[-5000:]

@@ -18,6 +18,23 @@ from astralight.engine import Completion, SamplingSpec
 from astralight.raas.engine import BatchedEngine
 
 
+def in_episode(endpoint: Any, engine: Any, fn: Callable[[str, str], Any],
+               settings: Any = None) -> tuple[Any, list]:
+    """``fn(base_url, api_key)`` on a thread while an episode of ``endpoint`` (an
+    :class:`~astralight.raas.openai_endpoint.OpenAIEndpoint`) is open on ``engine``, with the
+    process token; ``(fn's result, the episode's call records)``."""
+    async def main():
+        ep = endpoint.open_episode(engine, "policy", settings)
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(
+                None, fn, endpoint.base_url(ep.id), endpoint.token)
+        finally:
+            records = endpoint.close_episode(ep.id)
+        return out, records
+
+    return asyncio.run(main())
+
+
 def run_tasks(workflow: Any, tasks: list, engines: dict[str, Any]) -> dict[str, list]:
     """``{task_id: samples}``: every task run as its own episode, all concurrently in one event
     loop, as the RaaS runs the tasks it leases."""

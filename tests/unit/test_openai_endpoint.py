@@ -28,7 +28,7 @@ from astralight.rewards.toy import ExactMatchReward
 from astralight.tinymodel import build_chat_tokenizer
 from astralight.workflows.base import TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow, merge_calls
-from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
+from tests.unit.engine_fakes import PromptScriptEngine, in_episode, run_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
@@ -69,20 +69,6 @@ def engine(tok):
     eng = PromptScriptEngine(calculator, tok, version=3, max_model_len=512, logprob=-0.5)
     yield eng
     eng.close()
-
-
-def in_episode(endpoint, engine, fn, settings=None):
-    """``fn(base_url, api_key)`` on a thread while an episode is open; ``(result, records)``."""
-    async def main():
-        ep = endpoint.open_episode(engine, "policy", settings)
-        try:
-            out = await asyncio.get_running_loop().run_in_executor(
-                None, fn, endpoint.base_url(ep.id), endpoint.token)
-        finally:
-            records = endpoint.close_episode(ep.id)
-        return out, records
-
-    return asyncio.run(main())
 
 
 MSGS = [{"role": "system", "content": "Answer with the number."},

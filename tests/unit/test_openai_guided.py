@@ -13,7 +13,6 @@ tests/integration/test_guided_decoding_vllm.py's.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import anthropic
@@ -25,7 +24,7 @@ from astralight.raas.openai_completions import request_constraint, tool_calls_fo
 from astralight.raas.openai_endpoint import OpenAIEndpoint
 from astralight.raas.openai_requests import RequestError, parse_request
 from astralight.tinymodel import build_chat_tokenizer
-from tests.unit.engine_fakes import ConstrainedScriptEngine, PromptScriptEngine
+from tests.unit.engine_fakes import ConstrainedScriptEngine, PromptScriptEngine, in_episode
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"]}
@@ -206,20 +205,6 @@ def endpoint():
     ep.close()
 
 
-def _episode(endpoint, engine, fn):
-    """``fn(base_url, api_key)`` on a thread while an episode is open; ``(result, records)``."""
-    async def main():
-        ep = endpoint.open_episode(engine, "policy")
-        try:
-            out = await asyncio.get_running_loop().run_in_executor(
-                None, fn, endpoint.base_url(ep.id), endpoint.token)
-        finally:
-            records = endpoint.close_episode(ep.id)
-        return out, records
-
-    return asyncio.run(main())
-
-
 def _scripted(prompt: str, k: int) -> str:
     """Text that satisfies what the test asks (the fake checks no constraint)."""
     if "answer as JSON" in prompt:
@@ -247,7 +232,7 @@ def test_constraints_reach_the_engine(endpoint, tok):
                                               tool_choice="none")
         return required, named, as_json, none
 
-    (required, named, as_json, none), records = _episode(endpoint, engine, call)
+    (required, named, as_json, none), records = in_episode(endpoint, engine, call)
     specs = [spec for _, spec in engine.requests]
     assert [r.tool_calls[0]["function"]["name"] for r in records[:2]] == ["add", "now"]
     assert required.choices[0].finish_reason == "tool_calls"
@@ -304,7 +289,7 @@ def test_responses_and_messages_dialects(endpoint, tok):
             tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True})
         return structured, named, any_tool, one_tool
 
-    (structured, named, any_tool, one_tool), records = _episode(endpoint, engine, call)
+    (structured, named, any_tool, one_tool), records = in_episode(endpoint, engine, call)
     specs = [spec for _, spec in engine.requests]
     assert json.loads(structured.output_text) == {"answer": 579}
     assert structured.text.format.type == "json_schema"
@@ -335,7 +320,7 @@ def test_engines_that_cannot_constrain_are_a_400(endpoint, tok):
                     client.chat.completions.create(model="policy", messages=MSGS, **kwargs)
                 out.append((err.value.body["param"], err.value.body["message"]))
             return out
-        return _episode(endpoint, engine, run)
+        return in_episode(endpoint, engine, run)
 
     out, records = call(plain)
     assert [p for p, _ in out] == ["tool_choice", "response_format"] and records == []
@@ -370,5 +355,5 @@ def test_the_responses_api_names_a_refused_constraint_as_it_names_the_field(endp
                                     text={"format": {"type": "json_object"}})
         return err.value.body["param"]
 
-    param, records = _episode(endpoint, plain, run)
+    param, records = in_episode(endpoint, plain, run)
     assert param == "text.format" and records == []
