@@ -57,8 +57,8 @@ from astralight.launch.guard import GuardError, RunGuard, TrainCurves, guard_set
 from astralight.launch.log_watch import ErrorWatch, StaleWatch
 from astralight.launch.progress import ProgressRate, progress_line
 from astralight.launch.stop import (GUARD, INTERRUPTED, TIMEOUT, StopConditions, StopError,
-                                 StopSequence,
-                                 resolve_versions, stop_settings, trainer_max_time_s)
+                                 StopSequence, resolve_versions, stop_settings,
+                                 trainer_max_time_s)
 from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
                                     wall_s_to_accuracy, write_summary)
@@ -553,10 +553,16 @@ class Launch:
         try:
             if not hasattr(self, "balance"):
                 self._init_watch()
-            return self.summary()
+            summary = self.summary()
         except Exception as exc:  # noqa: BLE001 - the stop goes on without one
             print(f"[launch] no summary: {type(exc).__name__}: {exc}", flush=True)
             return None
+        if summary["stop_reason"] != reason:  # another stop was under way: this one ended it
+            summary["stop"]["detail"] += f"; then {reason}: stopped at once"
+            summary["stop_reason"] = summary["stop"]["reason"] = reason
+            if self.this_launch is not None:  # (the same record summary["launches"] ends with)
+                self.this_launch["stop_reason"] = reason
+        return summary
 
     def check_outcome(self, summary: dict) -> None:
         """Fail a run that timed out, or whose final evaluation did not complete."""

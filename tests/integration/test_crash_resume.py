@@ -508,3 +508,28 @@ def test_ctrl_c_is_the_normal_stop_and_the_resume_finishes_the_run(tmp_path):
     assert summary["wall_s_total"] == pytest.approx(launches[0]["wall_s"] + launches[1]["wall_s"],
                                                     abs=0.2)
     assert summary["eval_versions"][0] == 0  # the whole run's evaluations
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # ~1 minute of real processes: CI runs it in its slow suite
+def test_a_second_ctrl_c_stops_every_component_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    launcher, url = start_run(crash_recipe(tmp_path, versions=30), run_dir, log)
+    try:
+        wait_for(lambda: current_version(url) >= 2, 300, "version 2", launcher, log)
+        launcher.send_signal(signal.SIGINT)  # the normal stop begins...
+        wait_for(lambda: "[launch] stopping: interrupted" in log.read_text(), 60,
+                 "the normal stop", launcher, log)
+        launcher.send_signal(signal.SIGINT)  # ...and the second Ctrl-C cuts it short
+        assert launcher.wait(timeout=120) == 130, log.read_text()[-5000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert "interrupted again: stopping every component now" in text
+    assert f"resume with: astralight run --resume {run_dir}" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted" and summary["versions"] >= 2
+    assert [r["stop_reason"] for r in summary["launches"]] == ["interrupted"]
+    assert read_pids(run_dir) == {}  # everything stopped
