@@ -416,6 +416,15 @@ def plot_weights(data: RunData, path: Path, window: int) -> str | None:
 
 # --------------------------------------------------------------------------- pool
 
+def fixed_pool(rows: list[dict], data: RunData) -> bool:
+    """Whether the live instance count stayed the same from the first registration to the
+    run's last publication (the instances leaving when the run stops do not count)."""
+    last = max((t for times in data.version_times.values() for t in times.values()),
+               default=None)
+    steps = [n for t, n in pool_timeline(rows, 0.0)[:-1] if last is None or t <= last]
+    return len(set(steps)) <= 1
+
+
 def pool_timeline(instances: list[dict], end: float) -> list[tuple[float, int]]:
     """``(time, live instances)`` steps from the instance table's registered_at / left_at."""
     events: list[tuple[float, int]] = []
@@ -443,9 +452,9 @@ def plot_pool(data: RunData, path: Path, window: int) -> str | None:
     if not rows and not decisions:
         return ("no RaaS instance in the dataflow DB's instance table and no autoscaler "
                 "decisions log (autoscale.jsonl)")
-    if not decisions and not any(r.get("left_at") is not None for r in rows):
-        return (f"a fixed pool of {len(rows)} instance(s) that never changed (no autoscaler): "
-                "nothing to draw")
+    if not decisions and fixed_pool(rows, data):
+        return (f"a fixed pool of {len(rows)} instance(s) that never changed while the run "
+                "trained (no autoscaler): nothing to draw")
     times = [float(r["registered_at"]) for r in rows] + [float(d["time"]) for d in decisions]
     ends = [float(x) for r in rows for x in (r.get("left_at"), r.get("last_seen")) if x is not None]
     ends += [t for times_ in data.version_times.values() for t in times_.values()]

@@ -32,13 +32,17 @@ def test_report_of_a_real_toy_run(tmp_path):
     assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:]
     out = run_dir / "report"
     # a toy run has every source: evals, counters, TensorBoard, publisher scalars, one instance
-    for name in ("eval_accuracy.png", "reward.png", "wait_fraction.png", "staleness.png",
-                 "weights.png", "pool.png"):
+    for name in ("eval_accuracy.png", "wall_time.png", "reward.png", "entropy.png",
+                 "wait_fraction.png", "staleness.png", "weights.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 2000, f"{name}: {len(data)} bytes"
     text = (out / "summary.txt").read_text()
     assert rep.stdout.startswith(text)
-    assert "plots skipped" not in text, text
+    # skipped, and only these: one fixed RaaS (no autoscaler), no tool workflow
+    skipped = text.split("plots skipped:\n", 1)[1].splitlines()
+    assert sorted(line.split(":")[0].strip() for line in skipped) == ["pool.png",
+                                                                        "tool_calls.png"], text
+    assert not (out / "pool.png").exists() and not (out / "tool_calls.png").exists()
     assert "versions: 4" in text
     assert "eval policy: v0 " in text and " -> v4 " in text
     assert "rollouts generated / samples trained: policy " in text and " / 64" in text

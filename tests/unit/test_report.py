@@ -289,9 +289,14 @@ def test_the_final_balance_decision_is_the_last_full_windows(full_run):
 
 def test_a_fixed_pool_draws_no_pool_plot(full_run):
     (full_run / "autoscale.jsonl").unlink()
+    # raas-b joined at T0+3 and left at T0+6, while versions were published (up to T0+8): an
+    # elastic pool without an autoscaler, drawn
+    assert "pool.png" not in make_report(full_run).skipped
     store = Store(full_run / "dataflow" / "dataflow.db")
     with store.tx():
         store.conn.execute("DELETE FROM instances WHERE instance_id='raas-b'")
+        # raas-a leaves only as the run stops, after the last publication
+        store.set_instance_state("raas-a", "left", T0 + 9)
     store.close()
     report = make_report(full_run)
     assert report.skipped["pool.png"].startswith("a fixed pool of 1 instance(s) that never changed")
