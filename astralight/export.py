@@ -161,8 +161,8 @@ def _torch_load(path: Path, log: Callable[[str], Any]) -> Any:
 
 def _not_a_checkpoint(path: Path, why: str) -> ExportError:
     return ExportError(f"CKPT {path}: not a Lightning checkpoint ({why}); pass a checkpoint file "
-                       "(e.g. RUN/checkpoints/policy/last.ckpt) or a distributed-checkpoint folder (FSDP2's "
-                       "last.ckpt link, holding .metadata and meta.pt)")
+                       "(e.g. RUN/checkpoints/policy/last.ckpt) or a distributed-checkpoint "
+                       "folder (FSDP2's last.ckpt link, holding .metadata and meta.pt)")
 
 
 def _read_file(path: Path, keep: Callable[[str], bool], log) -> CheckpointState:

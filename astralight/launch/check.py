@@ -473,7 +473,8 @@ def check_recipe(recipe_path: Path, recipe: dict | None = None, run_dir: Path | 
     """
     from astralight.launch import _free_port, build_components, component_configs
     from astralight.launch.guard import GuardError, guard_settings
-    from astralight.launch.stop import StopError, resolve_versions, stop_settings, trainer_max_time_s
+    from astralight.launch.stop import (StopError, resolve_versions, stop_settings,
+                                        trainer_max_time_s)
 
     t0 = time.monotonic()
     recipe_path = Path(recipe_path)

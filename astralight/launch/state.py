@@ -1,6 +1,6 @@
 """The launcher's run-folder state: ``launch_state.json`` (restarts, trainer time and resumptions,
-added up over launches, and one record per launch that ended with a summary), atomic writes, and the trainers' checkpoints a restart or ``--resume``
-continues from."""
+added up over launches, and one record per launch that ended with a summary), atomic writes,
+and the trainers' checkpoints a restart or ``--resume`` continues from."""
 
 from __future__ import annotations
 

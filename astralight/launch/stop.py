@@ -393,5 +393,6 @@ class StopSequence:
 
 __all__ = ["STOP_DEFAULTS", "STOP_REASONS", "VERSIONS", "TRAINERS_FINISHED", "MAX_WALL",
            "TARGET_ACCURACY", "TIMEOUT", "GUARD", "INTERRUPTED", "TRAINER_GRACE_S", "StopError",
-           "stop_settings", "max_time_seconds", "trainer_max_time_s", "trainer_model_id", "publisher_every_n_steps", "resolve_versions",
-           "complete_accuracy", "StopConditions", "StopSequence"]
+           "stop_settings", "max_time_seconds", "trainer_max_time_s", "trainer_model_id",
+           "publisher_every_n_steps", "resolve_versions", "complete_accuracy", "StopConditions",
+           "StopSequence"]

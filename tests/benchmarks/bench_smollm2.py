@@ -421,7 +421,7 @@ def markdown_page(rows: list[dict], summary: dict, command: str, commit: str, ma
                 "support; `full`: full fine-tuning.\n",
                 "| arm | trainer samples/s | trainer tokens/s | step | full publication | "
                 "delta publication | delta vs full | bf16 elements unchanged | publish latency "
-                "(delta) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "(full / delta) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in runs:
             full, delta = r.get("full") or {}, r.get("delta") or {}
             ratio = (delta["full_bytes"] / delta["bytes"]
@@ -432,6 +432,7 @@ def markdown_page(rows: list[dict], summary: dict, command: str, commit: str, ma
                        f"{_mib(delta.get('bytes'))} | "
                        f"{'-' if ratio is None else f'{ratio:.1f}x smaller'} | "
                        f"{_fmt(delta.get('unchanged_bf16_share'), '', 3)} | "
+                       f"{_fmt(full.get('latency_s'), ' s', 1)} / "
                        f"{_fmt(delta.get('latency_s'), ' s', 2)} |")
         out += ["", "Peak resident memory per component (GiB, the process and its children):\n",
                 "| arm | " + " | ".join(sorted({k for r in runs for k in r.get("peak_rss_gib", {})}))
@@ -462,12 +463,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the docs page (docs/benchmark-pages/smollm2-throughput.md) "
                          "from this invocation's figures")
     ap.add_argument("--machine", default="", help="the machine, in words, for --markdown")
+    ap.add_argument("--render", type=Path, default=None, metavar="OUTPUT",
+                    help="run nothing: write --markdown from an earlier invocation's --json "
+                         "output (its rows and summary line)")
+    ap.add_argument("--commit", default=None,
+                    help="with --render: the commit that measured (default: HEAD)")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     known = ("shapes", "step", "engine") + RUN_ARMS
     unknown = set(arms) - set(known)
     if unknown:
         raise SystemExit(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(known)}")
+    if args.render is not None:
+        if args.markdown is None:
+            raise SystemExit("--render: give --markdown PAGE to write")
+        rows, summary = read_output(args.render)
+        write_page(args, rows, summary, argv)
+        return 0
     base = example_recipe(EXAMPLE)
     prepared = args.out_dir / "_prepared"
     model = prepared / "models" / "init"
@@ -493,15 +505,51 @@ def main(argv: list[str] | None = None) -> int:
                   for r in rows}}
     print(json.dumps({"summary": summary}), flush=True)
     if args.markdown is not None:
-        import subprocess
-
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip() or "unknown"
-        command = "python tests/benchmarks/bench_smollm2.py " + " ".join(argv or sys.argv[1:])
-        args.markdown.write_text(markdown_page(
-            rows, summary, command, commit, args.machine or f"{os.cpu_count()} CPU cores",
-            time.strftime("%Y-%m-%d")))
+        write_page(args, rows, summary, argv)
     return 0
+
+
+def read_output(path: Path) -> tuple[list[dict], dict]:
+    """The rows (objects with an ``arm``) and the summary of a ``--json`` output, skipping the
+    lines other processes wrote into it."""
+    rows, summary = [], {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if "summary" in obj:
+            summary = obj["summary"]
+        elif obj.get("arm"):
+            rows.append(obj)
+    return rows, summary
+
+
+def write_page(args: argparse.Namespace, rows: list[dict], summary: dict,
+               argv: list[str] | None) -> None:
+    import shlex
+    import subprocess
+
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout.strip()
+    given = list(argv if argv is not None else sys.argv[1:])
+    if args.render is not None:  # the command that measured, not the one that rendered
+        drop = {"--render": str(args.render), "--commit": args.commit}
+        kept, skip = [], False
+        for a in given:
+            if skip:
+                skip = False
+            elif a in drop:
+                skip = True
+            else:
+                kept.append(a)
+        given = kept
+    command = shlex.join(["python", "tests/benchmarks/bench_smollm2.py", *given])
+    args.markdown.write_text(markdown_page(
+        rows, summary, command, commit or "unknown", args.machine or f"{os.cpu_count()} CPU cores",
+        time.strftime("%Y-%m-%d")))
 
 
 if __name__ == "__main__":

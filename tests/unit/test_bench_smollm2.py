@@ -42,7 +42,26 @@ def test_the_docs_page_is_generated_from_the_figures():
                                "2-core AMD EPYC", "2026-12-07")
     assert "**Commit:** `abc1234`" in page and "2-core AMD EPYC" in page and "2026-12-07" in page
     assert "| vLLM (CPU) | auto | 12.3 s | 64 | **151.2** |" in page
-    assert "| lora | **0.81** | 70.2 | 39.5 s | 269.0 MiB | 10.0 MiB | 26.9x smaller | 0.97 |" in page
-    assert "| full | **0.5** | - | - | - | - | - | - | - |" in page
+    assert "| lora | **0.81** | 70.2 | 39.5 s | 269.0 MiB | 10.0 MiB | 26.9x smaller | 0.97 | 3.0 s / 1.25 s |" in page
+    assert "| full | **0.5** | - | - | - | - | - | - | - / - |" in page
     assert "| arm | dataflow | raas-0 | trainer-policy |" in page
     assert "| full | - | 2.6 | 5.0 |" in page
+
+
+def test_render_reads_an_earlier_outputs_rows_among_other_processes_lines(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    out.write_text('(MainProcess pid=1) INFO vLLM says hello\n'
+                   '{"arm": "engine", "tokens_per_s": 100.0, "requests": 8}\n'
+                   '{"not": "a row"}\nnot json {\n'
+                   '{"summary": {"load_before": [1.0], "load_after": [1.5]}}\n')
+    rows, summary = bench.read_output(out)
+    assert rows == [{"arm": "engine", "tokens_per_s": 100.0, "requests": 8}]
+    assert summary == {"load_before": [1.0], "load_after": [1.5]}
+    page = tmp_path / "page.md"
+    assert bench.main(["--render", str(out), "--markdown", str(page), "--machine",
+                       "2-core test box", "--arms", "engine"]) == 0
+    text = page.read_text()
+    assert "**100.0**" in text and "2-core test box" in text
+    # the measuring command, quoted, without the rendering flag
+    assert "bench_smollm2.py --markdown " in text and "--render" not in text
+    assert "--machine '2-core test box'" in text
