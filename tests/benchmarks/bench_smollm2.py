@@ -418,10 +418,13 @@ def markdown_page(rows: list[dict], summary: dict, command: str, commit: str, ma
         out += ["## Trainer, publication and memory, per run arm\n",
                 "`lora`: the recipe as shipped (LoRA r 16 trained, merged weights published as "
                 "bf16 deltas); `adapter`: the LoRA adapter published and served by vLLM's LoRA "
-                "support; `full`: full fine-tuning.\n",
+                "support; `full`: full fine-tuning (at the recipe's LoRA learning rate: a cost "
+                "measurement, not a full fine-tuning recipe). The eval column is the run's own "
+                "(avg@4 on the 32 held-out problems) over its few versions.\n",
                 "| arm | trainer samples/s | trainer tokens/s | step | full publication | "
                 "delta publication | delta vs full | bf16 elements unchanged | publish latency "
-                "(full / delta) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "(full / delta) | eval start -> end |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in runs:
             full, delta = r.get("full") or {}, r.get("delta") or {}
             ratio = (delta["full_bytes"] / delta["bytes"]
@@ -433,7 +436,9 @@ def markdown_page(rows: list[dict], summary: dict, command: str, commit: str, ma
                        f"{'-' if ratio is None else f'{ratio:.1f}x smaller'} | "
                        f"{_fmt(delta.get('unchanged_bf16_share'), '', 3)} | "
                        f"{_fmt(full.get('latency_s'), ' s', 1)} / "
-                       f"{_fmt(delta.get('latency_s'), ' s', 2)} |")
+                       f"{_fmt(delta.get('latency_s'), ' s', 2)} | "
+                       f"{_fmt(r.get('eval_accuracy_start'), '', 3)} -> "
+                       f"{_fmt(r.get('eval_accuracy_end'), '', 3)} |")
         out += ["", "Peak resident memory per component (GiB, the process and its children):\n",
                 "| arm | " + " | ".join(sorted({k for r in runs for k in r.get("peak_rss_gib", {})}))
                 + " |"]

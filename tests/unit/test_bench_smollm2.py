@@ -30,7 +30,8 @@ def test_the_docs_page_is_generated_from_the_figures():
     rows = [{"arm": "engine", "dtype": "auto", "engine_start_s": 12.3, "requests": 64,
              "tokens_per_s": 151.2, "prompt_tokens_mean": 60.0, "completion_tokens_mean": 30.5,
              "truncated_share": 0.016},
-            {"arm": "lora", "trainer_samples_per_s": 0.81, "trainer_tokens_per_s": 70.2,
+            {"arm": "lora", "trainer_samples_per_s": 0.81, "eval_accuracy_start": 0.2,
+             "eval_accuracy_end": 0.4, "trainer_tokens_per_s": 70.2,
              "trainer_step_s": 39.5, "full": {"n": 1, "bytes": 269 * 2**20, "latency_s": 3.0},
              "delta": {"n": 3, "bytes": 10 * 2**20, "full_bytes": 269 * 2**20,
                        "unchanged_bf16_share": 0.97, "latency_s": 1.25},
@@ -42,8 +43,9 @@ def test_the_docs_page_is_generated_from_the_figures():
                                "2-core AMD EPYC", "2026-12-07")
     assert "**Commit:** `abc1234`" in page and "2-core AMD EPYC" in page and "2026-12-07" in page
     assert "| vLLM (CPU) | auto | 12.3 s | 64 | **151.2** |" in page
-    assert "| lora | **0.81** | 70.2 | 39.5 s | 269.0 MiB | 10.0 MiB | 26.9x smaller | 0.97 | 3.0 s / 1.25 s |" in page
-    assert "| full | **0.5** | - | - | - | - | - | - | - / - |" in page
+    assert ("| lora | **0.81** | 70.2 | 39.5 s | 269.0 MiB | 10.0 MiB | 26.9x smaller | 0.97 | "
+            "3.0 s / 1.25 s | 0.2 -> 0.4 |") in page
+    assert "| full | **0.5** | - | - | - | - | - | - | - / - | - -> - |" in page
     assert "| arm | dataflow | raas-0 | trainer-policy |" in page
     assert "| full | - | 2.6 | 5.0 |" in page
 
