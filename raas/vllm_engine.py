@@ -25,6 +25,7 @@ from astralight.engine import Completion, ConstraintError, SamplingSpec, clamp_m
 from astralight.raas import vllm_driver
 from astralight.raas.cpu_features import engine_dtype, request_amx
 from astralight.raas.engine import EngineBase
+from astralight.raas.vllm_constraints import constraint_error, structured_outputs
 from astralight.raas.vllm_startup import (explicit_kv_cache_env, inspect_models_in_process,
                                           no_torch_compile, with_env)
 from astralight.raas.weight_groups import DEFAULT_PACKED_MODULES, expand_to_modules
@@ -100,37 +101,6 @@ def write_peft_folder(path: str | Path, named_tensors: Mapping[str, Any], config
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
-
-
-def structured_outputs(constraint: Mapping[str, Any] | None) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for a ``SamplingSpec.constraint`` (None: none)."""
-    if constraint is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    kind, value = next(iter(constraint.items()))
-    if kind == "json_schema":
-        return StructuredOutputsParams(json=value)
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag=json.dumps(value))
-    raise ValueError(f"constraint: unknown kind {kind!r}")
-
-
-def _constraint_error(exc: Exception) -> Exception:
-    """vLLM's refusal of a constrained request as a :class:`ConstraintError`; anything else
-    unchanged. What vLLM validates of our requests besides the constraint (prompt length, token
-    ids, log-probs) the engine and the endpoint have checked before, so a refusal here is the
-    schema's or the tag's; vLLM's own message says which."""
-    from vllm.exceptions import VLLMValidationError
-
-    if isinstance(exc, (VLLMValidationError, ValueError)):
-        why = str(exc)
-        if exc.__cause__ is not None:  # e.g. "Invalid structural tag specification." from ...
-            why += f" ({type(exc.__cause__).__name__}: {exc.__cause__})"
-        return ConstraintError(f"vLLM refused this constrained request: {why[:800]}")
-    return exc
 
 
 INFLIGHT_UPDATES = ("keep", "abort")
@@ -224,16 +194,8 @@ class VLLMEngine(EngineBase):
     Behaviour log-probs are vLLM's ``processed_logprobs``: log-probs of the distribution actually
     sampled from (temperature and top-p applied), which is what an off-policy correction needs.
 
-    Constrained decoding (``SamplingSpec.constraint``: a JSON schema, any JSON object, an xgrammar
-    structural tag) is vLLM's structured outputs, with the engine's backend (``"auto"``: xgrammar,
-    falling back to guidance or outlines for what xgrammar refuses; ``engine_kwargs=
-    {"structured_outputs_config": {...}}`` chooses another, or compact JSON). The log-probs stay
-    exact: vLLM 0.32 applies the grammar's token bitmask to the logits (``-inf`` where the
-    grammar forbids a token; ``apply_grammar_bitmask`` in the model runner's ``sample_tokens``)
-    before its sampler applies temperature and top-p and computes the processed log-probs, so
-    they are the log-probs of the constrained, renormalised distribution the token was drawn
-    from (a token that is the only one allowed gets 0). A schema or tag vLLM refuses, or whose
-    grammar fails to compile, fails the request with :class:`~astralight.engine.ConstraintError`.
+    Constrained decoding (``SamplingSpec.constraint``) is vLLM's structured outputs, with exact
+    log-probs of the constrained distribution: :mod:`astralight.raas.vllm_constraints`.
     """
 
     #: honours ``SamplingSpec.constraint`` (see the class docstring)
@@ -423,7 +385,7 @@ class VLLMEngine(EngineBase):
                                             request.params, lora_request=self._lora)
         except BaseException as exc:  # noqa: BLE001 - e.g. a prompt vLLM refuses
             if request.params.structured_outputs is not None and isinstance(exc, Exception):
-                exc = _constraint_error(exc)
+                exc = constraint_error(exc)
             request.future.set_exception(exc)
             return
         request.start_version = int(self.version)
@@ -570,9 +532,10 @@ class VLLMEngine(EngineBase):
         if not self.enable_lora:
             from astralight.raas.weight_sync import EngineConfigError
 
-            raise EngineConfigError("update_adapter: this engine was started without LoRA support; "
-                               "set enable_lora: true (and max_lora_rank >= the adapter's r) in "
-                               "its engine config, or publish merged weights (lora.publish: merged)")
+            raise EngineConfigError(
+                "update_adapter: this engine was started without LoRA support; set enable_lora: "
+                "true (and max_lora_rank >= the adapter's r) in its engine config, or publish "
+                "merged weights (lora.publish: merged)")
         if not named_tensors:
             raise ValueError("named_tensors: no adapter tensors")
         bad = [n for n in named_tensors if not _PEFT_TENSOR.match(n)]

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from astralight.agents.stats import FAILURE_KINDS
 from astralight.launch.balance import read_jsonl
 
 TIME_TO_ACCURACY = 0.85
@@ -134,8 +135,6 @@ def build_summary(stats: dict, evals: dict[int, dict], per_version: dict | None,
 def agents_failed(counters: dict) -> dict[str, int] | None:
     """Train episodes whose agent failed, by kind (``{"error": n, "timeout": n}``), from the
     policy's counters; None when the workflow counts no agent episodes."""
-    from astralight.agents.stats import FAILURE_KINDS
-
     if "agent_episodes" not in counters:
         return None
     return {k: int(counters.get(f"agent_failed_{k}") or 0) for k in FAILURE_KINDS}
