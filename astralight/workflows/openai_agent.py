@@ -282,17 +282,8 @@ class OpenAIAgentWorkflow(Workflow):
             raise ValueError(f"max_parallel_agents: must be >= 1, got {max_parallel_agents}")
         if isinstance(fail_fast, bool) or not isinstance(fail_fast, int) or fail_fast < 0:
             raise ValueError(f"fail_fast: episodes (an int >= 0; 0 never), got {fail_fast!r}")
-        self.agent = load_agent(agent)
         self.agent_kwargs = dict(agent_kwargs or {})
-        try:
-            inspect.signature(self.agent).bind({}, base_url="", api_key="", model="",
-                                               **self.agent_kwargs)
-        except TypeError as exc:
-            raise ValueError(f"agent: {getattr(self.agent, '__name__', self.agent)} must accept "
-                             "(task, base_url, api_key, model"
-                             f"{''.join(', ' + k for k in self.agent_kwargs)}): {exc}") from None
-        except ValueError:  # no signature to inspect (a builtin): trust it
-            pass
+        self.agent = self._init_agent(agent)
         self.reward = reward
         self.sampling = sampling or SamplingSpec()
         self.eval_sampling = eval_sampling or SamplingSpec(temperature=1.0,
@@ -314,6 +305,22 @@ class OpenAIAgentWorkflow(Workflow):
         #: counters over the workflow's life (episodes, failures, calls, samples)
         self.stats = {"episodes": 0, "agent_errors": 0, "agent_timeouts": 0, "no_calls": 0,
                       "calls": 0, "merged_calls": 0, "samples": 0}
+
+    def _init_agent(self, agent: Any) -> Any:
+        """The agent to run, checked (here: the function, imported, whose signature accepts
+        the call; :class:`~astralight.workflows.agent_process.ProcessAgentWorkflow` checks a
+        path in another interpreter instead)."""
+        fn = load_agent(agent)
+        try:
+            inspect.signature(fn).bind({}, base_url="", api_key="", model="",
+                                       **self.agent_kwargs)
+        except TypeError as exc:
+            raise ValueError(f"agent: {getattr(fn, '__name__', fn)} must accept "
+                             "(task, base_url, api_key, model"
+                             f"{''.join(', ' + k for k in self.agent_kwargs)}): {exc}") from None
+        except ValueError:  # no signature to inspect (a builtin): trust it
+            pass
+        return fn
 
     # -- plumbing
 
@@ -362,6 +369,19 @@ class OpenAIAgentWorkflow(Workflow):
 
             out = asyncio.run(wait())
         return out
+
+    def _start_agent(self, view: dict, base_url: str, api_key: str, model: str,
+                     name: str) -> Any:
+        """The episode's agent, started: an awaitable of its return value (which a timeout
+        cancels). Here in this process: an ``async def`` as a task on the one agent loop, a
+        plain one on a daemon thread of its own."""
+        if is_async_agent(self.agent):
+            coro = functools.partial(self.agent, view, base_url=base_url, api_key=api_key,
+                                     model=model, **self.agent_kwargs)
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                _run_async_agent(coro), agent_loop()))
+        return self._on_thread(functools.partial(self._call_agent, view, base_url, api_key,
+                                                 model), f"openai-agent-{name}")
 
     # -- episodes
 
@@ -427,15 +447,8 @@ class OpenAIAgentWorkflow(Workflow):
         ep = endpoint.open_episode(engine, model_id, settings)
         end, value, error = "answer", None, ""
         try:
-            if is_async_agent(self.agent):  # a task on the one agent loop; a timeout cancels it
-                coro = functools.partial(self.agent, view, base_url=endpoint.base_url(ep.id),
-                                         api_key=ep.key, model=model_id, **self.agent_kwargs)
-                running = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                    _run_async_agent(coro), agent_loop()))
-            else:
-                running = self._on_thread(
-                    functools.partial(self._call_agent, view, endpoint.base_url(ep.id), ep.key,
-                                      model_id), f"openai-agent-{task.task_id}-{slot}")
+            running = self._start_agent(view, endpoint.base_url(ep.id), ep.key, model_id,
+                                        f"{task.task_id}-{slot}")
             value = await asyncio.wait_for(running, self.timeout_s)
         except asyncio.TimeoutError:
             end, error = "timeout", "timeout"
@@ -443,12 +456,19 @@ class OpenAIAgentWorkflow(Workflow):
             log.warning("task %s episode %d: the agent did not finish in timeout_s=%g s (%d "
                         "timeouts so far)", task.task_id, slot, self.timeout_s,
                         self.stats["agent_timeouts"])
+        except BrokenWorkflowError:
+            raise  # the agent cannot run at all (out of process: it does not import)
         except Exception as exc:  # noqa: BLE001 - the user's agent failed: counted, not fatal
-            end, error = "error", f"{type(exc).__name__}: {exc}"
+            # an agent in another process raised there: its own type, message and traceback
+            error = getattr(exc, "agent_error", "") or f"{type(exc).__name__}: {exc}"
+            end = "error"
             self.stats["agent_errors"] += 1
-            log.warning("task %s episode %d: the agent raised %s: %s (%d agent errors so far)",
-                        task.task_id, slot, type(exc).__name__, exc,
-                        self.stats["agent_errors"], exc_info=self.stats["agent_errors"] == 1)
+            child_tb = getattr(exc, "agent_traceback", "")
+            first = self.stats["agent_errors"] == 1
+            log.warning("task %s episode %d: the agent raised %s (%d agent errors so far)%s",
+                        task.task_id, slot, error, self.stats["agent_errors"],
+                        f"\n{child_tb.rstrip()}" if child_tb and first else "",
+                        exc_info=first and not child_tb)
         finally:
             calls = endpoint.close_episode(ep.id)
         self.stats["calls"] += len(calls)
