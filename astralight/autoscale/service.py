@@ -13,7 +13,10 @@ table); notice instances it started that exited (and replace them if the pool fe
 instances plus live ones it did not start) and apply :class:`~astralight.autoscale.policy.Policy`
 (bounds, cooldown, retirement order); act through the backend. Each decision is one line on
 stdout and one JSON line in the decisions log. SIGTERM / SIGINT: retire (drain) every instance it
-started, wait for them, exit 0; a second signal stops them with SIGTERM at once.
+started, wait until each has deregistered (the dataflow's table) or exited (the backend) -- at
+most ``--shutdown-grace-s`` -- and exit 0; a second signal stops them with SIGTERM at
+once. Waiting matters under a command backend: the retire command (``scancel --signal=TERM``)
+returns at once, and whatever stops after the autoscaler (the dataflow) must outlive the drains.
 
 The autoscaler holds no state the dataflow does not. Restarted (after a crash, kill -9, a
 preemption) while instances a previous run of it started are still registered -- under a command
@@ -62,6 +65,7 @@ class AutoscaleConfig:
     start_grace_s: float = 300.0        # backends that cannot tell liveness: a launched instance
                                         # counts this long before it must show in the table
     give_up_s: float = 600.0            # exit 1 when the dataflow has failed for this long
+    shutdown_grace_s: float = 120.0     # on stop, wait at most this long for retired instances
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
@@ -95,6 +99,7 @@ class Autoscaler:
         self.decisions: list[dict] = []
         self.version = 0
         self.next_report = config.every
+        self.sleep = time.sleep  # (injectable: the shutdown wait's pause between polls)
         self._k = self._first_index()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -293,8 +298,41 @@ class Autoscaler:
                               reason="the autoscaler is stopping: retiring what it started"))
         try:
             self.backend.close()  # waits for the drains in progress
+            self.wait_retired()
         finally:
             self.reap([])
+
+    def _running(self, iid: str, rows: dict[str, dict] | None) -> bool:
+        """Whether a retired instance has yet to finish: not once the dataflow's table shows it
+        deregistered (left) or gone -- what the dataflow needed from it is done, even if its job
+        still tears down -- else as the backend says, else while the table lists it."""
+        row = (rows or {}).get(iid)
+        if row is not None and (row.get("status") in ("gone", "left") or row.get("state") == "left"):
+            return False
+        alive = self.backend.alive(iid)
+        if alive is not None:
+            return bool(alive)
+        return row is not None
+
+    def wait_retired(self) -> list[str]:
+        """Wait until every retiring instance has deregistered or exited, at most ``shutdown_grace_s``
+        (polling every ``poll_s``); returns those still running at the deadline."""
+        deadline = self.clock() + self.config.shutdown_grace_s
+        while True:
+            rows = None
+            try:
+                rows = {str(r.get("instance_id")): r
+                        for r in self.client.stats().get("instances") or []}
+            except Exception:  # noqa: BLE001 - the dataflow may be gone: the backend still tells
+                pass
+            left = [iid for iid in self.retiring if self._running(iid, rows)]
+            if not left:
+                return []
+            if self.clock() >= deadline:
+                self.say(f"shutdown: {', '.join(left)} still running after "
+                         f"{self.config.shutdown_grace_s:.0f}s (--shutdown-grace-s); exiting")
+                return left
+            self.sleep(self.config.poll_s)
 
     def run(self, stop: threading.Event) -> int:
         """Start the pool, poll until ``stop`` is set, retire the pool; the exit code."""
@@ -356,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace-backoff-s", type=float, default=10.0,
                    help="at most one replacement of died instances per this long (default 10)")
     p.add_argument("--id-prefix", default="auto", help="instance ids are PREFIX-<k> (default auto)")
+    p.add_argument("--shutdown-grace-s", type=float, default=120.0,
+                   help="on SIGTERM/SIGINT, wait at most this long for the retired instances to "
+                        "exit (default 120)")
     p.add_argument("--give-up-s", type=float, default=600.0,
                    help="exit 1 when the dataflow has been unreachable this long (default 600)")
     return p
@@ -372,7 +413,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.every < 1:
         return f"--every: must be a positive number of versions, got {args.every}"
     for flag in ("cooldown_s", "poll_s", "drain_timeout_s", "kill_after_s", "replace_backoff_s",
-                 "give_up_s"):
+                 "give_up_s", "shutdown_grace_s"):
         value = getattr(args, flag)
         if value < 0 or (flag == "poll_s" and value == 0):
             return f"--{flag.replace('_', '-')}: must be a positive number of seconds, got {value}"
@@ -424,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                                      replace_backoff_s=args.replace_backoff_s))
         config = AutoscaleConfig(model_id=args.model_id, every=args.every, initial=args.initial,
                                  poll_s=args.poll_s, id_prefix=args.id_prefix,
-                                 decisions_log=decisions_log, give_up_s=args.give_up_s)
+                                 decisions_log=decisions_log, give_up_s=args.give_up_s,
+                                 shutdown_grace_s=args.shutdown_grace_s)
         backend = make_backend(args, say)
     except (ValueError, BackendError) as exc:
         print(f"astralight autoscale: {exc}", file=sys.stderr)
