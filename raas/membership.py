@@ -12,7 +12,9 @@ waits for a lease to expire when it can say so at once:
   stop leasing, let the episodes in flight finish and push, deregister, exit 0;
 * hard stop (a second signal, a drain still running after ``drain_timeout_s``, or a drain
   whose dataflow has been unreachable for ``DRAIN_UNREACHABLE_S``): cancel every episode,
-  return every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``);
+  return every in-flight task, deregister, exit 130 at once (``HARD_STOP_EXIT``); when the
+  dataflow is the reason, those calls get one attempt each (no retries): the RaaS of a run whose
+  dataflow stopped exits about ``DRAIN_UNREACHABLE_S`` after its signal;
 * rejoin: a heartbeat, lease or push answered 404 for this instance (a dataflow restarted,
   on its old state or a fresh one) registers again under the same instance id, once however
   many threads noticed;
@@ -121,6 +123,8 @@ class Membership:
         self._signal_thread: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
         self._left = False
+        #: the drain watch found the dataflow gone: the goodbye makes one attempt, no retries
+        self._dataflow_gone = False
         #: the dataflow run this RaaS works for (None: not known, or a dataflow naming none)
         self.run_id: str | None = None
         self._run_lock = threading.Lock()
@@ -510,6 +514,7 @@ class Membership:
                 except DataflowUnreachable as exc:
                     since = since if since is not None else time.monotonic()
                     if time.monotonic() - since >= self.drain_unreachable_s:
+                        self._dataflow_gone = True
                         self.hard_stop(f"the dataflow has been unreachable for "
                                        f"{self.drain_unreachable_s:g} s during the drain ({exc})")
                         return
@@ -564,7 +569,10 @@ class Membership:
         self._heartbeat_stop.set()
         client = self.client_factory() if own_client else self.client
         if isinstance(getattr(client, "retry_s", None), (int, float)):
-            client.retry_s = min(client.retry_s, GOODBYE_RETRY_S)  # the process is ending
+            # the process is ending; a dataflow already unreachable for drain_unreachable_s gets
+            # one attempt, not GOODBYE_RETRY_S more (a RaaS whose run stopped frees its GPU now)
+            cap = 0.0 if self._dataflow_gone else GOODBYE_RETRY_S
+            client.retry_s = min(client.retry_s, cap)
         try:
             held = self.in_flight_ids()
             returned = self.return_tasks(held, why="leaving the pool", client=client) if held else 0

@@ -415,6 +415,8 @@ class WeightSync:
         try:
             self.check(client, force)
         except Exception as exc:  # keep serving on the weights the engine has
+            if self._stop.is_set():  # closing: the check was cut short on purpose
+                return
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync for %s failed; the engine stays on v%s and retries later: %s",
@@ -548,6 +550,8 @@ class WeightSync:
 
     def _loop(self) -> None:
         client = self.client_factory()
+        if hasattr(client, "stop"):  # close() ends a retry for a gone dataflow at once (not 60 s)
+            client.stop = self._stop
         try:
             while not self._stop.is_set():
                 self._check_logged(client)
