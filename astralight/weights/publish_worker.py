@@ -25,7 +25,8 @@ stderr so they cannot corrupt the answers):
   :class:`PublishBuilder`), upload its files, publish the manifest (with ``metadata`` merged).
   Answer ``{"ok": true, "version", "record": {...}}`` or ``{"ok": false, "version", "error"}``;
   after an error the next version is full. The trainer does not touch the slot until answered.
-* ``{"op": "stop"}`` or end of input: exit.
+* ``{"op": "stop"}`` or end of input: exit. SIGTERM is ignored: a scheduler's SIGTERM to every
+  process of the job must not end it before the stopping trainer's last publication.
 
 The process is idle between jobs and runs at a lowered CPU priority (``--nice``).
 """
@@ -36,6 +37,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -288,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retry-s", type=float, default=60.0)
     p.add_argument("--slot-fds", nargs=2, required=True, help="inherited slot file descriptors")
     args = p.parse_args(argv)
+    # The trainer ends this process (a stop op, or end of input when the trainer exits, even by
+    # SIGKILL). A SIGTERM meant for the whole job (Slurm's scancel and time limit signal every
+    # process of a step at once) must not kill it while the stopping trainer publishes its last
+    # version through it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     answers = os.fdopen(os.dup(1), "w")  # answers go to the real stdout ...
     os.dup2(2, 1)  # ... and anything a library prints goes to stderr
     sys.stdout = sys.stderr
