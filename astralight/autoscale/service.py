@@ -373,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cooldown-s", type=float, default=120.0,
                    help="seconds after an action before the next (default 120)")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between polls (default 2)")
-    p.add_argument("--backend", choices=("local", "command"), default="local",
-                   help="local: RaaS processes on this machine (default); command: shell templates")
+    p.add_argument("--backend", choices=("local", "command", "ray"), default="local",
+                   help="local: RaaS processes on this machine (default); command: shell "
+                        "templates; ray: Ray actors on a Ray cluster (the ray extra)")
     p.add_argument("--raas-config", default=None, help="RaaS config each local instance starts with")
     p.add_argument("--launch-cmd", default=None, help="command backend: start {instance} ({n} wanted)")
     p.add_argument("--retire-cmd", default=None, help="command backend: stop {instance} ({n} wanted)")
@@ -397,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-s", type=float, default=120.0,
                    help="on SIGTERM/SIGINT, wait at most this long for the retired instances to "
                         "exit (default 120)")
+    p.add_argument("--ray-address", default=None,
+                   help="ray: the cluster's address HOST:PORT (default RAY_ADDRESS or the "
+                        "cluster `ray start` started on this machine)")
+    p.add_argument("--ray-namespace", default="astralight", help="ray: the actors' namespace")
+    p.add_argument("--ray-resources", default=None,
+                   help='ray: each instance\'s resources as JSON (default {"num_gpus": 1, '
+                        '"num_cpus": 1})')
     p.add_argument("--give-up-s", type=float, default=600.0,
                    help="exit 1 when the dataflow has been unreachable this long (default 600)")
     return p
@@ -417,9 +425,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         value = getattr(args, flag)
         if value < 0 or (flag == "poll_s" and value == 0):
             return f"--{flag.replace('_', '-')}: must be a positive number of seconds, got {value}"
-    if args.backend == "local":
+    if args.backend in ("local", "ray"):
         if not args.raas_config:
-            return "--raas-config: required with --backend local (the RaaS config each instance starts with)"
+            return (f"--raas-config: required with --backend {args.backend} (the RaaS config "
+                    "each instance starts with)")
         if not Path(args.raas_config).is_file():
             return f"--raas-config: {args.raas_config} is not a file"
     else:
@@ -436,6 +445,8 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def make_backend(args: argparse.Namespace, say: Callable[[str], None]):
+    if args.backend == "ray":  # astralight.autoscale.ray_backend: Ray imported only here
+        return _ray_backend(args, say)
     if args.backend == "local":
         return LocalProcessBackend(args.raas_config, args.dataflow, args.log_dir,
                                    cpus=[int(c) for c in args.cpus.split(",")] if args.cpus else None,
@@ -443,6 +454,22 @@ def make_backend(args: argparse.Namespace, say: Callable[[str], None]):
                                    kill_after_s=args.kill_after_s, say=say)
     return CommandBackend(args.launch_cmd, args.retire_cmd, alive=args.alive_cmd,
                           dataflow_url=args.dataflow, say=say)
+
+
+def _ray_backend(args: argparse.Namespace, say: Callable[[str], None]):
+    """The Ray backend of ``--backend ray`` (BackendError for bad --ray-resources, or no Ray)."""
+    from astralight.autoscale.ray_backend import RayBackend
+
+    try:
+        resources = json.loads(args.ray_resources) if args.ray_resources else None
+    except ValueError as exc:
+        raise BackendError(f"--ray-resources: not JSON ({exc}); e.g. "
+                           '\'{"num_gpus": 1, "num_cpus": 4}\'') from None
+    return RayBackend(args.raas_config, args.dataflow, args.log_dir, address=args.ray_address,
+                      namespace=args.ray_namespace, resources=resources,
+                      cpus=[int(c) for c in args.cpus.split(",")] if args.cpus else None,
+                      drain_timeout_s=args.drain_timeout_s, kill_after_s=args.kill_after_s,
+                      say=say)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                 for proc in backend.procs.values():
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
+            elif hasattr(backend, "stop_now"):  # the Ray backend
+                backend.stop_now()
             return
         say(f"{signal.Signals(signum).name}: retiring the instances it started")
         stop.set()

@@ -53,6 +53,11 @@ autoscaler itself must stay alive. The summary gains ``pool`` (the autoscaler's 
 ``rollout_capacity_seconds`` (sum over the dataflow's instance table of alive_s x
 capacity_units) and ``trainer_seconds`` (the trainers' process lifetimes), in every run.
 
+Backends (``--backend``): ``local`` runs every component as a process of this machine; ``ray``
+runs the same commands as Ray actors on an existing Ray cluster (``recipe.ray``: its address, the
+resources of each component kind, GPUs through a placement group; the ``ray`` extra), with the
+same supervision, stop sequence, logs and summary (:mod:`astralight.launch.ray_launch`).
+
 Supervision (``supervise: {max_restarts: 3, backoff_s: 2, backoff_factor: 2, max_backoff_s: 30}``,
 on by default with these values; ``supervise: false`` turns it off): a component that exits
 while the run goes on -- a trainer with a non-zero status, a service with any -- is restarted
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="set a recipe key before anything else reads it (dotted path, list "
                              "items by index, the value read as YAML; repeatable), e.g. --set "
                              "stop.versions=10 --set trainers.0.model.init_args.lr=1e-4")
+    parser.add_argument("--backend", choices=("local", "ray"), default="local",
+                        help="where the components run: local processes of this machine "
+                             "(default), or ray: Ray actors on an existing Ray cluster "
+                             "(recipe.ray: address, resources per component; the ray extra)")
     parser.add_argument("--print-recipe", action="store_true",
                         help="print the recipe as it would run (extends merged, --set applied; "
                              "{run_dir}-style placeholders are filled at launch) and exit")
@@ -198,11 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise RecipeError("--run-dir: with --resume the run folder is RUN_DIR; "
                                   "give one of them")
             run(Path(args.recipe) if args.recipe else None, Path(args.resume),
-                quiet=args.quiet, resume=True, check=not args.no_check)
+                quiet=args.quiet, resume=True, check=not args.no_check, backend=args.backend)
         else:
             run(Path(args.recipe) if args.recipe else _default_recipe(),
                 Path(args.run_dir) if args.run_dir else None, quiet=args.quiet,
-                check=not args.no_check)
+                check=not args.no_check, backend=args.backend)
     except RecipeError as exc:
         print(f"astralight run: {exc}", file=sys.stderr)
         return 2

@@ -134,6 +134,39 @@ class AutoscaleSection:
 
 
 @dataclass
+class RayResources:
+    """The Ray resources of one component kind's actor (``ray.raas``, ``ray.trainer``, ...)."""
+
+    num_cpus: Optional[NonNegativeFloat] = field(default=None, metadata=_help("CPUs, a number >= 0"))
+    num_gpus: Optional[NonNegativeFloat] = field(default=None, metadata=_help("GPUs, a number >= 0"))
+    memory: Optional[NonNegativeInt] = field(default=None, metadata=_help("bytes, an int >= 0"))
+    resources: Optional[dict[str, NonNegativeFloat]] = field(default=None, metadata=_help(
+        "custom Ray resources {NAME: amount}"))
+
+
+@dataclass
+class RaySection:
+    """``ray``: where ``astralight run --backend ray`` places the components
+    (:mod:`astralight.launch.ray_launch`); read only with that backend."""
+
+    address: Optional[str] = field(default=None, metadata=_help(
+        "the Ray cluster, HOST:PORT (default: RAY_ADDRESS, or this machine's `ray start`)"))
+    namespace: str = field(default="astralight", metadata=_help("the actors' Ray namespace"))
+    strategy: str = field(default="PACK", metadata=_help(
+        "the placement group's strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"))
+    ready_timeout_s: PositiveFloat = field(default=300.0, metadata=_help(
+        "seconds to wait for Ray to place the components, a number > 0"))
+    dataflow: Optional[RayResources] = field(default=None, metadata=_help(
+        "{num_cpus: 1} (the default; it runs on the launcher's node)"))
+    raas: Optional[RayResources] = field(default=None, metadata=_help(
+        "each RaaS's resources, default {num_gpus: 1, num_cpus: 1}"))
+    trainer: Optional[RayResources] = field(default=None, metadata=_help(
+        "each trainer's resources, default {num_gpus: 1, num_cpus: 1}"))
+    autoscale: Optional[RayResources] = field(default=None, metadata=_help(
+        "the autoscaler's resources, default {num_cpus: 0}"))
+
+
+@dataclass
 class BalanceSection:
     """``balance``: how often the dataflow's balance report is written to the run folder."""
 
@@ -190,6 +223,8 @@ class Recipe:
     autoscale: Optional[AutoscaleSection] = field(default=None, metadata=_help(
         "a mapping such as {min_instances: 1, max_instances: 3}, or null"))
     balance: Optional[BalanceSection] = field(default=None, metadata=_help("{every: 10}"))
+    ray: Optional[RaySection] = field(default=None, metadata=_help(
+        "a mapping such as {address: HOST:PORT, raas: {num_gpus: 1}} (--backend ray)"))
     guard: Optional[GuardSection] = field(default=None, metadata=_help(
         "a mapping such as {eval_drop: 0.25, stop: true}, or false"))
 
@@ -367,5 +402,5 @@ def validate_recipe(recipe: dict) -> None:
 
 
 __all__ = ["Recipe", "StopSection", "PrepareSection", "SuperviseSection", "CpuAffinitySection",
-           "EnvSection", "AutoscaleSection", "BalanceSection", "GuardSection", "SchemaError",
+           "EnvSection", "AutoscaleSection", "BalanceSection", "RaySection", "RayResources", "GuardSection", "SchemaError",
            "validate_recipe"]

@@ -72,7 +72,7 @@ def _say(text: str) -> None:
 
 @kept_in_launch_log  # RUN/launch.log: this function's output, and its failure
 def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = False,
-        resume: bool = False, check: bool = True) -> dict:
+        resume: bool = False, check: bool = True, backend: str = "local") -> dict:
     """Run a recipe to completion and return the full summary (``RUN/summary.json``; a short
     line of it is printed last).
 
@@ -88,8 +88,18 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     and local path is checked as ``astralight run --check`` does (:mod:`astralight.launch.check`);
     without it only the recipe's own keys are. The recipe's ``pythonpath`` goes on this process's
     ``sys.path`` (for the prepare function) and on every component's ``PYTHONPATH``.
+
+    ``backend``: ``local`` (processes of this machine) or ``ray`` (Ray actors on the cluster of
+    ``recipe.ray.address``, :mod:`astralight.launch.ray_launch`); the rest of the launch is the same.
     """
     t_start = time.time()
+    if backend == "ray":  # before anything is checked or built: is Ray installed at all
+        from astralight.ray_process import RayUnavailable, require_ray
+
+        try:
+            require_ray()
+        except RayUnavailable as exc:
+            raise RecipeError(str(exc)) from None
     if resume:
         recipe_path, run_dir = _resume_target(recipe_path, run_dir)
     recipe_path = Path(recipe_path) if recipe_path is not None else _default_recipe()
@@ -99,9 +109,9 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     pool = PrewarmPool()  # RaaS and trainers import while the recipe is checked and prepared
     try:
         recipe, settings, stop, run_dir = _read_recipe(recipe_path, run_dir, check, pool,
-                                                       base_env)
+                                                       base_env, prewarm=backend == "local")
         launch = Launch(recipe_path, recipe, stop, settings, run_dir, resume=resume, quiet=quiet,
-                        t_start=t_start, pool=pool, base_env=base_env)
+                        t_start=t_start, pool=pool, base_env=base_env, backend=backend)
     except BaseException:
         pool.close()
         raise
@@ -174,11 +184,12 @@ def _run_folder(recipe_path: Path, recipe: dict, run_dir: Path | None) -> Path:
 
 
 def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: PrewarmPool,
-                 base_env: dict) -> tuple[dict, dict, dict, Path]:
+                 base_env: dict, prewarm: bool = True) -> tuple[dict, dict, dict, Path]:
     """The recipe, its supervise settings, its stop settings and the run folder, checked before
     anything starts (the recipe's ``pythonpath`` goes on ``sys.path`` first, for the checks and
     prepare). The RaaS and trainers are prewarmed in ``pool`` before the check
-    (:mod:`astralight.prewarm`): they only import until they are started."""
+    (:mod:`astralight.prewarm`): they only import until they are started (not with ``prewarm``
+    off: Ray-placed components start on other nodes)."""
     recipe = load_recipe(recipe_path)
     settings = supervise_settings_checked(recipe.get("supervise"))
     use_pythonpath(recipe)
@@ -189,7 +200,8 @@ def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: Pre
     except (StopError, GuardError) as exc:
         raise RecipeError(str(exc)) from None
     folder = _run_folder(recipe_path, recipe, run_dir)
-    prewarm_components(recipe, folder, pool, base_env)
+    if prewarm:
+        prewarm_components(recipe, folder, pool, base_env)
     if check:
         from astralight.launch.check import check_recipe
 
@@ -238,7 +250,8 @@ class Launch:
 
     def __init__(self, recipe_path: Path, recipe: dict, stop: dict, settings: dict,
                  run_dir: Path | None, *, resume: bool, quiet: bool, t_start: float,
-                 pool: PrewarmPool | None = None, base_env: dict | None = None):
+                 pool: PrewarmPool | None = None, base_env: dict | None = None,
+                 backend: str = "local"):
         self.resume, self.quiet, self.t_start, self.stop = resume, quiet, t_start, stop
         self.pool = pool  # prewarmed processes the components' first starts become
         self.name = recipe.get("name", recipe_path.stem)
@@ -247,13 +260,24 @@ class Launch:
         if resume:
             self.prior["resumes"] += 1
         port = int(recipe.get("port") or _free_port())
-        self.url = f"http://127.0.0.1:{port}"
+        base_env = base_env if base_env is not None else _component_env()
+        self.ray_run = None  # backend ray: the cluster connection (astralight.launch.ray_launch)
+        if backend == "ray":
+            from astralight.launch.ray_launch import connect_run
+
+            self.ray_run = connect_run(recipe, self.run_dir, base_env)
+            print(f"[launch] backend ray: cluster {self.ray_run.gcs_address}, dataflow on this "
+                  f"node ({self.ray_run.node_ip})", flush=True)
+        self.url = f"http://{self.ray_run.node_ip if self.ray_run else '127.0.0.1'}:{port}"
         self.recipe = self._prepared(recipe)
         self.model_id, self.target = stop["model_id"], stop["versions"]  # None: time-only
         self.trainer_started: float | None = None  # its first start this launch (max_time)
         self.guard = RunGuard(guard_settings(recipe.get("guard")), TrainCurves(self.run_dir).read)
-        self.comps = build_components(self.recipe, self.run_dir, self.url, port,
-                                      base_env if base_env is not None else _component_env())
+        self.comps = build_components(self.recipe, self.run_dir, self.url, port, base_env)
+        if self.ray_run is not None:  # the same commands, placed by Ray
+            from astralight.launch.ray_launch import ray_components
+
+            self.comps = ray_components(self.comps, self.ray_run)
         # errors in the components' logs from now on, and a mostly stale rollout stream
         self.errors = ErrorWatch({c.name: c.log_path for c in self.comps})
         self.stale = StaleWatch()
@@ -347,6 +371,8 @@ class Launch:
                 settings = autoscale_settings(self.recipe["autoscale"])
                 timeout_s += settings["drain_timeout_s"] + settings["kill_after_s"]
             comp.stop(comp.stop_signal, timeout_s=timeout_s)
+        if self.ray_run is not None:
+            self.ray_run.close()  # the run's placement group removed; the cluster stays
         write_pids(self.run_dir, self.comps)
         _save_launch_state(self.run_dir, self.prior, self.sup, self.comps, self.this_launch)
 
