@@ -293,8 +293,16 @@ with open(os.environ["FAKE_LOG"], "a") as f:
                         "master_port": os.environ.get("MASTER_PORT")}) + "\n")
 
 
-def serve_until_term():
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+def serve_until_term():  # as astralight's services: SIGTERM or SIGINT stops them (recorded)
+    def stop(signum, _frame):
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({"cmd": f"{name}:exit", "argv": argv[:2],
+                                "exit": signal.Signals(signum).name,
+                                "token": None, "master_port": None}) + "\n")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     while True:
         time.sleep(0.1)
 
@@ -306,7 +314,13 @@ elif name == "openssl":
 elif name == "sbatch":
     print("4242")
 elif name == "squeue":
-    print("RUNNING" if os.environ.get("FAKE_SQUEUE_RUNNING") else "")
+    # a job's state (-o %T): RUNNING with FAKE_SQUEUE_RUNNING; any other query: an empty queue
+    print("RUNNING" if os.environ.get("FAKE_SQUEUE_RUNNING") and "%T" in argv else "")
+elif name == "scancel" and argv == ["--signal=TERM", os.environ.get("SLURM_JOB_ID")]:
+    # what Slurm does with it: SIGTERM to the job's steps (the trainers), not the batch script
+    if os.path.exists(os.environ["FAKE_LOG"] + ".fit"):
+        for pid in open(os.environ["FAKE_LOG"] + ".fit").read().split():
+            os.kill(int(pid), signal.SIGTERM)
 elif name == "srun":
     env, i = dict(os.environ), 0
     while argv[i].startswith("-"):
@@ -327,6 +341,10 @@ elif name == "astralight":
     if argv[0] == "autoscale":
         launch = argv[argv.index("--launch-cmd") + 1].replace("{instance}", "raas-x-0")
         subprocess.run(launch, shell=True, check=True, stdout=subprocess.DEVNULL)
+        serve_until_term()
+    if argv[0] == "fit" and os.environ.get("FAKE_FIT_UNTIL_TERM"):  # a trainer: runs until SIGTERM
+        with open(os.environ["FAKE_LOG"] + ".fit", "a") as f:
+            f.write(f"{os.getpid()}\n")
         serve_until_term()
     if argv[0] == "fit" and os.environ.get("FAKE_FIT_AFTER"):  # run until that command was seen
         deadline = time.monotonic() + 30
@@ -374,9 +392,33 @@ def slurm_sandbox(tmp_path):
         calls = [json.loads(line) for line in log.read_text().splitlines()]
         return proc.returncode, out + err, calls
 
+    def start(script: str, **env: str) -> subprocess.Popen:
+        """Start ``script`` in the background (its own process group, as a job's processes)."""
+        log.write_text("")
+        full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home),
+                "FAKE_LOG": str(log), "SLURM_SUBMIT_DIR": str(work), "SLURM_JOB_ID": "1234567",
+                "SLURM_JOB_NAME": "astralight-main", "SLURM_CPUS_PER_TASK": "8", **env}
+        proc = subprocess.Popen(["bash", str(CLUSTER / "slurm" / script)], env=full, cwd=work,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        started.append(proc)
+        return proc
+
+    def records():
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    started: list[subprocess.Popen] = []
     run.work = work
     run.home = home
-    return run
+    run.start = start
+    run.records = records
+    run.fit_pids = lambda: (log.parent / (log.name + ".fit"))
+    yield run
+    for proc in started:  # stand-ins a failing script left behind
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _calls(calls, cmd, *first):
@@ -410,7 +452,9 @@ def test_slurm_trainer_steps_get_their_own_port_cpus_and_resume(slurm_sandbox):
     assert pool["token"] is None
     assert any(a.startswith("--export=ALL,") and "ASTRALIGHT_TOKEN_FILE=" in a
                and "ASTRALIGHT_TOKEN=" not in a for a in pool["argv"])
-    assert _calls(calls, "scancel", "--signal=TERM", "4242")  # the pool is retired at the end
+    # the pool is retired at the end: queued tasks cancelled, running ones drained by SIGTERM
+    assert _calls(calls, "scancel", "--state=PENDING", "4242")
+    assert _calls(calls, "scancel", "--signal=TERM", "--state=RUNNING", "4242")
 
     rc, out, again = slurm_sandbox(
         "astralight-main.sbatch", CONFIG_DIR="configs/qwen3_8b/solver_verifier_math",
@@ -466,3 +510,115 @@ def test_lightning_takes_master_port_from_the_environment(monkeypatch):
     derived = SLURMEnvironment().main_port
     monkeypatch.setenv("MASTER_PORT", "20571")
     assert derived != 20571 and SLURMEnvironment().main_port == 20571
+
+
+# ------------------------------------------------------------------------------ issue 40: the Slurm fixes
+# (tests/integration/test_slurm_cluster.py runs the same scripts on a live Slurm cluster)
+
+
+def _sbatch_lines(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", path.read_text(), re.M))
+
+
+@pytest.mark.parametrize("script", ["astralight-main.sbatch", "raas.sbatch"])
+def test_slurm_output_needs_no_folder(script):
+    """slurmd opens --output before the script runs: a folder the script would create (logs/)
+    makes the first job of a fresh checkout fail with no output file at all."""
+    output = _sbatch_lines(CLUSTER / "slurm" / script)["output"]
+    assert "/" not in output and "%j" in output and "%a" not in output, output
+
+
+def test_slurm_main_job_asks_for_a_warning_before_the_time_limit():
+    """--signal=B:TERM@SECONDS: SIGTERM to the batch script alone before the time limit, so the
+    script stops trainers, pool and dataflow in order while the job still runs."""
+    assert re.match(r"B:TERM@\d+$", _sbatch_lines(CLUSTER / "slurm" / "astralight-main.sbatch")["signal"])
+
+
+def test_slurm_raas_jobs_sized_and_the_bind_address_set_without_editing(slurm_sandbox):
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", RAAS_GPUS="2", RAAS_CPUS="16",
+                                   RAAS_SBATCH_ARGS="--partition=gpu --mem=64G",
+                                   DATAFLOW_BIND="10.1.2.3", DATAFLOW_PORT="8500")
+    assert rc == 0, out
+    [pool] = _calls(calls, "sbatch")
+    for opt in ("--gres=gpu:2", "--cpus-per-task=16", "--partition=gpu", "--mem=64G"):
+        assert opt in pool["argv"], pool["argv"]
+    assert any(a.startswith("--output=runs/slurm-") and a.endswith("/logs/%x-%j.out")
+               for a in pool["argv"]), pool["argv"]
+    [dataflow] = _calls(calls, "astralight", "dataflow", "serve")
+    argv = dataflow["argv"]
+    assert argv[argv.index("--host") + 1] == "10.1.2.3" and argv[argv.index("--port") + 1] == "8500"
+    assert any(a.startswith("--export=ALL,DATAFLOW_URL=http://node1.cluster:8500,") for a in pool["argv"])
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", RAAS_GPUS="0")
+    assert rc == 0, out
+    [pool] = _calls(calls, "sbatch")
+    assert "--gres=none" in pool["argv"] and not any(a.startswith("--gres=gpu") for a in pool["argv"])
+
+
+def test_slurm_autoscaler_templates_and_settings(slurm_sandbox):
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", AUTOSCALE_MIN="1", AUTOSCALE_MAX="3",
+                                   AUTOSCALE_COOLDOWN_S="45", AUTOSCALE_EVERY="5", RAAS_CPUS="4",
+                                   FAKE_FIT_AFTER="sbatch")
+    assert rc == 0, out
+    [scaler] = _calls(calls, "astralight", "autoscale")
+    flags = dict(zip(scaler["argv"][1::2], scaler["argv"][2::2]))
+    assert flags["--cooldown-s"] == "45" and flags["--every"] == "5"
+    assert flags["--shutdown-grace-s"] == "60"  # POOL_STOP_WAIT_S
+    # a queued instance is cancelled plainly, a running one drained by SIGTERM
+    assert flags["--retire-cmd"] == ("scancel --state=PENDING --name={instance}; "
+                                     "scancel --signal=TERM --state=RUNNING --name={instance}")
+    assert "COMPLETING" in flags["--alive-cmd"]
+    [job] = _calls(calls, "sbatch")
+    assert "--cpus-per-task=4" in job["argv"] and "--gres=gpu:1" in job["argv"]
+    assert any(a.endswith("/logs/%x-%j.out") for a in job["argv"])  # %x: the instance id
+    # the scaler's defaults: a cooldown of minutes, not ten
+    rc, out, calls = slurm_sandbox("astralight-main.sbatch", AUTOSCALE_MAX="3", FAKE_FIT_AFTER="sbatch")
+    [scaler] = _calls(calls, "astralight", "autoscale")
+    assert scaler["argv"][scaler["argv"].index("--cooldown-s") + 1] == "120"
+
+
+def _wait_for_fit(slurm_sandbox, n: int = 1) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        path = slurm_sandbox.fit_pids()
+        pids = [int(p) for p in path.read_text().split()] if path.exists() else []
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.05)
+    pytest.fail("the trainer stand-in never started")
+
+
+@pytest.mark.parametrize("how", ["scancel", "batch-only"])
+def test_slurm_stop_order_trainers_then_pool_then_dataflow(slurm_sandbox, how):
+    """SIGTERM mid-run, as Slurm sends it. ``scancel`` (or the time limit): to every process of
+    the job at once -- the dataflow must outlive the trainer (its SIGTERM is blocked) and the
+    trainer must get exactly one SIGTERM. ``batch-only`` (--signal=B:TERM@120, scancel --batch):
+    the script alone -- it passes SIGTERM on to the job steps. Then: pool, then dataflow."""
+    import os
+    import signal
+
+    env = {"FAKE_FIT_UNTIL_TERM": "1"}
+    if how == "batch-only":
+        env["FAKE_SQUEUE_RUNNING"] = "1"  # the job is still RUNNING: only the script was told
+    proc = slurm_sandbox.start("astralight-main.sbatch", **env)
+    _wait_for_fit(slurm_sandbox)
+    if how == "scancel":
+        os.killpg(proc.pid, signal.SIGTERM)  # Slurm: every process of the job
+    else:
+        proc.send_signal(signal.SIGTERM)     # the batch script only
+    out, _ = proc.communicate(timeout=60)
+    records = slurm_sandbox.records()
+    assert proc.returncode == 143, out
+    events = [(r["cmd"], r.get("exit"), r["argv"]) for r in records]
+    fit_exit = [i for i, (c, e, a) in enumerate(events) if c == "astralight:exit" and a[:1] == ["fit"]]
+    dataflow_exit = [i for i, (c, e, a) in enumerate(events)
+                     if c == "astralight:exit" and a[:2] == ["dataflow", "serve"]]
+    pool_stop = [i for i, (c, e, a) in enumerate(events) if c == "scancel" and "--state=PENDING" in a]
+    assert len(fit_exit) == 1 and events[fit_exit[0]][1] == "SIGTERM", events
+    assert len(dataflow_exit) == 1 and events[dataflow_exit[0]][1] == "SIGINT", events  # not Slurm's TERM
+    assert fit_exit[0] < pool_stop[0] < dataflow_exit[0], events
+    forwarded = _calls(records, "scancel", "--signal=TERM", "1234567")
+    assert len(forwarded) == (1 if how == "batch-only" else 0), events  # never a second SIGTERM
+    assert "trainers stopped; stopping the rollout pool" in out
+    assert "rollout pool stopped; stopping the dataflow" in out
