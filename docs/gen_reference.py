@@ -82,6 +82,7 @@ WORKFLOWS = [
     "astralight.workflows.chat_env.ChatEnvWorkflow",
     "astralight.workflows.tool_agent.ToolAgentWorkflow",
     "astralight.workflows.openai_agent.OpenAIAgentWorkflow",
+    "astralight.workflows.agent_process.ProcessAgentWorkflow",
     "astralight.workflows.solver_verifier.SolverVerifier",
     "astralight.workflows.code_testgen.CodeSolverTestGen",
     "astralight.workflows.latency.LongTailLatency",

@@ -99,6 +99,7 @@ class AgentProcessError(RuntimeError):
 
 def check_python(python: str) -> str:
     """The interpreter's path, or a ValueError naming ``python`` and the fix."""
+    python = os.path.expanduser(python)
     found = python if os.sep in python else shutil.which(python)
     if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
         raise ValueError(
@@ -131,6 +132,7 @@ class AgentWorker:
         self.stuck = 0  # episodes cancelled whose thread never reported back
         self.cancelled: set[str] = set()
         self.retired = False
+        self.closing = False  # killed on purpose: its exit is no news
         self.exit_code: int | None = None
 
     # -- life
@@ -175,6 +177,7 @@ class AgentWorker:
 
     def close(self) -> None:
         """Kill the worker (and anything its agents started)."""
+        self.closing = True
         if self.proc is not None:
             _kill_group(self.proc)
             try:
@@ -290,7 +293,7 @@ class AgentWorker:
         self.ready.set()
         with self.lock:
             orphans = list(self.pending)
-        if self.info and not self.retired:
+        if self.info and not (self.retired or self.closing):
             log.warning("agent worker pid %d exited with code %s (%d episodes running); "
                             "its last stderr lines: %s", self.proc.pid, self.exit_code,
                             len(orphans), self._tail())
@@ -361,7 +364,8 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
     Args (besides those of OpenAIAgentWorkflow, which mean the same):
         agent: ``pkg.module:function`` (or ``pkg.module.function``, ``path/to/file.py:function``)
             imported inside ``python``; None with ``command``.
-        python: the agent's interpreter (its virtualenv's ``bin/python``; default: this one).
+        python: the agent's interpreter (its virtualenv's ``bin/python``, ``~`` expanded;
+            default: this one).
         command: a command run once per episode instead (a list, or one string split as a
             shell would): ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL`` in its
             environment, the task as JSON on stdin, the answer on stdout.
