@@ -91,14 +91,26 @@ def window_section(sums: dict[str, int]) -> dict | None:
             "agents_failed": {k: int(sums.get(f"agent_failed_{k}", 0)) for k in FAILURE_KINDS}}
 
 
+def invalid_actions_of(metadata: dict | None) -> int | None:
+    """The commands of an environment episode that the game did not accept (its outcome's
+    ``invalid_actions``, e.g. :class:`~astralight.envs.textworld_env.TextWorldEnv`'s, which
+    :class:`~astralight.workflows.chat_env.ChatEnvWorkflow` puts in ``metadata["env"]``); None
+    for a sample without one."""
+    env = metadata.get("env") if metadata else None
+    return _count(env.get("invalid_actions")) if isinstance(env, dict) else None
+
+
 def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
     """Per-sample means for the trainer's scalars (empty when no sample comes from a tool
     workflow): ``tool_call_rate`` (share of episodes with a call), ``tool_calls``, ``turns``,
-    and ``tool_errors/<kind>`` (failed calls of that kind per episode)."""
-    rows = [episode_counts(m) | {"turns": _count((m or {}).get("turns")) or 0}
-            for m in metadatas if counts_tools(m)]
+    and ``tool_errors/<kind>`` (failed calls of that kind per episode); for environment
+    episodes that count them (:func:`invalid_actions_of`), ``invalid_actions``: commands the
+    game did not accept per episode (over ``turns``, the share of commands that were invalid)."""
+    counted = [m for m in metadatas if counts_tools(m)]
+    rows = [episode_counts(m) | {"turns": _count((m or {}).get("turns")) or 0} for m in counted]
     if not rows:
         return {}
+    invalid = [invalid_actions_of(m) for m in counted]
     n = len(rows)
     out = {"tool_call_rate": sum(r["tool_episodes"] for r in rows) / n,
            "tool_calls": sum(r["tool_calls"] for r in rows) / n,
@@ -107,4 +119,6 @@ def batch_scalars(metadatas: Iterable[dict | None]) -> dict[str, float]:
         out[f"tool_errors/{kind}"] = sum(r[f"tool_errors_{kind}"] for r in rows) / n
     for kind in FAILURE_KINDS:
         out[f"agent_failed/{kind}"] = sum(r[f"agent_failed_{kind}"] for r in rows) / n
+    if any(v is not None for v in invalid):
+        out["invalid_actions"] = sum(v or 0 for v in invalid) / n
     return out

@@ -94,7 +94,10 @@ class Workflow:
       ``metadata["segment"]``: the index of the sample within an episode split into several
       samples (one per model call): only segment 0 (or a sample without the key) counts the
       episode, so it is counted once; ``metadata["end"]``: how the episode ended
-      (``"error"`` / ``"timeout"``: its agent failed, counted as ``agent_failed_<kind>``).
+      (``"error"`` / ``"timeout"``: its agent failed, counted as ``agent_failed_<kind>``);
+      ``metadata["env"]``: an environment episode's outcome (the environment's ``metrics()``,
+      :class:`~astralight.workflows.chat_env.ChatEnvWorkflow`): its ``invalid_actions`` (the
+      commands the game did not accept) becomes the trainer's ``agent/invalid_actions``.
     - ``metadata["finish_reason"]``: ``"length"`` when the engine cut the completion at
       ``max_tokens`` (the ``length`` sample filter's ``drop_truncated`` drops those groups).
     """
