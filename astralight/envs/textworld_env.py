@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ from astralight.workflows.multi_turn import Environment
 log = logging.getLogger(__name__)
 
 REWARD_MODES = ("score", "normalized", "win")
+#: held while a game loads: TextWorld parses a game's logic with one module-level parser (tatsu),
+#: which is not thread-safe -- episodes that reset at once on executor threads failed with
+#: IndexError / TypeError inside the parser
+_LOAD_LOCK = threading.Lock()
 #: the game files TextWorld 1.7 plays with text observations (``.json`` alone has no text)
 GAME_SUFFIX = ".z8"
 
@@ -216,8 +221,9 @@ class TextWorldEnv(TextGameEnv):
                 f"with it; task {task.task_id}); regenerate the game with make_games")
         infos = textworld.EnvInfos(admissible_commands=True, score=True, max_score=True,
                                    won=True, lost=True, moves=True)
-        self.env = textworld.start(str(self.game_path), request_infos=infos)
-        state = self.env.reset()
+        with _LOAD_LOCK:
+            self.env = textworld.start(str(self.game_path), request_infos=infos)
+            state = self.env.reset()
         self._reset_counters()
         self.max_score = int(state["max_score"] or 0)
         self.admissible = set(state["admissible_commands"] or [])
