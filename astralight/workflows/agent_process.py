@@ -453,6 +453,17 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
 
     # -- the worker
 
+    def _usable(self) -> AgentWorker | None:
+        """The current worker when it can take an episode now (no start, no wait)."""
+        w = self._worker
+        if w is not None and w.alive and not w.retired and w.stuck < self.max_stuck_agents:
+            return w
+        return None
+
+    async def _worker_now(self) -> AgentWorker:
+        """The worker, from the loop: at once when it runs, else started off the loop."""
+        return self._usable() or await blocking(self.worker)
+
     def worker(self) -> AgentWorker:
         """The running worker, started (or restarted) when needed. Blocking."""
         with self._worker_lock:
@@ -492,7 +503,7 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
     async def play(self, task: Any, messages: list[dict], engine: Any, model_id: str,
                    slot: int) -> Any:
         if self.command is None:  # start the worker first: its imports are not the episode's
-            await blocking(self.worker)
+            await self._worker_now()
         return await super().play(task, messages, engine, model_id, slot)
 
     def _start_agent(self, view: dict, base_url: str, api_key: str, model: str,
@@ -506,7 +517,7 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
 
     async def _in_worker(self, view: dict, base_url: str, api_key: str, model: str,
                          episode: str) -> str:
-        worker = await blocking(self.worker)
+        worker = await self._worker_now()
         fut = worker.submit(episode, {"task": view, "base_url": base_url, "api_key": api_key,
                                       "model": model, "kwargs": self.agent_kwargs})
         try:

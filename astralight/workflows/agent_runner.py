@@ -210,7 +210,7 @@ class Worker:
     def cancel(self, episode):
         if self.async_agent:
             def do():
-                task = self.tasks.get(episode)
+                task = self.tasks.pop(episode, None)
                 if task is not None:
                     task.cancel()
 

@@ -148,6 +148,7 @@ def test_runner_cancels_async_agents_and_reports_a_bad_import(tmp_path):
     (tmp_path / "aio.py").write_text(
         "import asyncio\n"
         "async def agent(task, base_url, api_key, model):\n"
+        "    print('started', task['task_id'])\n"
         "    try:\n"
         "        await asyncio.sleep(600)\n"
         "    except asyncio.CancelledError:\n"
@@ -156,6 +157,8 @@ def test_runner_cancels_async_agents_and_reports_a_bad_import(tmp_path):
     r = Runner(f"{tmp_path / 'aio.py'}:agent")
     assert r.read()["async"] is True
     r.send(**_run("e1"))
+    started, _ = r.until("log", "e1")
+    assert started["text"] == "started t"
     r.send(op="cancel", id="e1")
     log_line, _ = r.until("log", "e1")
     assert log_line["text"] == "cancelled t"
@@ -252,7 +255,7 @@ def test_child_exceptions_are_agent_errors_with_their_traceback(endpoint, engine
 
 def test_timeouts_cancel_async_agents_and_kill_commands(endpoint, engine, tmp_path, caplog):
     aio = ProcessAgentWorkflow(_agent("async_sleepy_agent"), ExactMatchReward(),
-                               endpoint=endpoint, timeout_s=1.0, startup_timeout_s=60)
+                               endpoint=endpoint, timeout_s=3.0, startup_timeout_s=60)
     try:
         with caplog.at_level(logging.INFO, logger="astralight.workflows.agent_process"):
             with pytest.raises(TaskFailedError, match="first: timeout"):
@@ -266,7 +269,7 @@ def test_timeouts_cancel_async_agents_and_kill_commands(endpoint, engine, tmp_pa
         aio.close()
     pid_file = tmp_path / "pid"
     cmd = ProcessAgentWorkflow(command=[sys.executable, str(CLI), "hang", str(pid_file)],
-                               reward=ExactMatchReward(), endpoint=endpoint, timeout_s=3.0)
+                               reward=ExactMatchReward(), endpoint=endpoint, timeout_s=10.0)
     with pytest.raises(TaskFailedError, match="first: timeout"):
         run_tasks(cmd, [_task(n=1)], {"policy": engine})
     pid = int(pid_file.read_text())
