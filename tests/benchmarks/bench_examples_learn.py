@@ -60,8 +60,8 @@ from astralight.launch.recipe import RecipeError, apply_overrides  # noqa: E402
 from tests.benchmarks.bench_vs_trl import _load  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
-#: the examples that claim learning, in the order they run (the text game has no example yet)
-LEARNING_EXAMPLES = ("toy", "tool_use", "openai_agent", "multi_agent", "search_agent")
+#: the examples that claim learning, in the order they run
+LEARNING_EXAMPLES = ("toy", "tool_use", "openai_agent", "multi_agent", "search_agent", "text_game")
 #: what each example's README (or recipe header) promises, checked per run
 GOALS: dict[str, dict[str, float]] = {
     "toy": {"end_at_least": 0.85, "hold": 0.9},
@@ -69,6 +69,7 @@ GOALS: dict[str, dict[str, float]] = {
     "openai_agent": {"hold": 0.9},
     "multi_agent": {"hold": 0.9},
     "search_agent": {"hold": 0.9},
+    "text_game": {"hold": 0.9},
     "smollm2_math": {"rise_at_least": 0.15, "within_s": 1800, "hold": 0.9},
 }
 CONDITIONS = ("quiet", "contended")
