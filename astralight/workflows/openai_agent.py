@@ -30,6 +30,10 @@ rewards and environment steps that executor serves; and not on a ``ThreadPoolExe
 whose threads the interpreter joins at exit, so one agent stuck in its own code would keep the
 RaaS from ever exiting.
 
+An agent whose dependencies cannot live beside vLLM, or a program (a CLI harness), runs out of
+process instead: :class:`~astralight.workflows.agent_process.ProcessAgentWorkflow` (a worker in
+the agent's own virtualenv, or a command per episode), with everything below unchanged.
+
 Its return value is the episode's answer: text as is, ``None`` as ``""``, anything else as JSON.
 ``reward(answer, task.metadata)`` scores the episode. An agent that raises or times out is logged
 and counted (:attr:`OpenAIAgentWorkflow.stats`); the calls it made are scored ``failed_reward``
