@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ class AgentWorker:
     def start(self) -> "AgentWorker":
         """Start the worker and wait until the agent imported; raise
         :class:`BrokenWorkflowError` (a config error) when it does not."""
+        t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [self.python, "-u", str(RUNNER), self.agent], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.cwd,
@@ -166,9 +168,9 @@ class AgentWorker:
             raise BrokenWorkflowError(
                 f"agent: the agent worker for {where} exited with code {self.exit_code} before "
                 f"it started; its last stderr lines: {self._tail()}")
-        log.info("agent worker pid %d: %s (%s agent) in %s, Python %s", self.proc.pid,
-                 self.agent, "async" if self.info.get("async") else "plain", self.python,
-                 self.info.get("version"))
+        log.info("agent worker pid %d: %s (%s agent) in %s, Python %s, ready in %.1f s",
+                 self.proc.pid, self.agent, "async" if self.info.get("async") else "plain",
+                 self.python, self.info.get("version"), time.monotonic() - t0)
         return self
 
     @property
