@@ -12,7 +12,8 @@ fake GPUs each: Ray counts and assigns them, vLLM and the trainer run on the CPU
    replaced, the pool grows to two and shrinks to one (the retired instance drains, deregisters
    and exits 0), shutdown retires the rest, and every placement group is removed.
 
-Slow (several minutes on two cores): marked ``slow``.
+Slow: marked ``slow``. On two idle cores the module takes about 10 minutes (most of it the toy's
+warm start and vLLM start-ups); on a loaded machine far longer.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def step(prefix: str) -> str:
 
 def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
     """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout_s``
-    (a bound on a hang, not a speed requirement)."""
+    (a bound on a hang, not a speed requirement: generous, for a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
@@ -121,13 +122,15 @@ def test_readme_run_learns_on_three_nodes_with_its_raas_actor_killed(cluster, tm
                             stderr=subprocess.STDOUT, text=True)
     try:
         # the RaaS serves (the run is past its first versions); then its actor is killed
+        # (bounds on a hang, generous: the warm start alone took 70 s idle, 330 s on a
+        # machine loaded 12-fold)
         wait_for("version 6 of the run", lambda: proc.poll() is not None
-                 or _progress_version(run_dir / "launch.log") >= 6, timeout_s=420)
+                 or _progress_version(run_dir / "launch.log") >= 6, timeout_s=1800)
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         actors = json.loads((run_dir / "ray_actors.json").read_text())
         killed = actors["raas-0"]["actor"]
         ray.kill(ray.get_actor(killed, namespace="astralight"), no_restart=True)
-        out, _ = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=1800)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -156,7 +159,7 @@ def test_readme_run_learns_on_three_nodes_with_its_raas_actor_killed(cluster, tm
     assert start <= 0.40 and end - start >= 0.20, summary
     # the run's placement group is gone: the cluster's GPUs are free again
     assert wait_for("the run's GPUs back", lambda: ray.available_resources().get("GPU") == 4,
-                    timeout_s=60)
+                    timeout_s=300)
 
 
 def _raas_config(model_dir: Path) -> dict:
@@ -184,7 +187,7 @@ def test_autoscaler_ray_backend_replaces_grows_and_shrinks(cluster, tmp_path, ti
     config_path = tmp_path / "raas.yaml"
     config_path.write_text(yaml.safe_dump(_raas_config(tiny_model_dir)))
     backend = RayBackend(config_path, svc.url, tmp_path / "logs", address=c.address,
-                         resources={"num_gpus": 1, "num_cpus": 0.5}, drain_timeout_s=60,
+                         resources={"num_gpus": 1, "num_cpus": 0.5}, drain_timeout_s=300,
                          kill_after_s=20)
     policy = Policy(PolicyConfig(min_instances=1, max_instances=2, cooldown_s=0,
                                  replace_backoff_s=0))
@@ -203,30 +206,30 @@ def test_autoscaler_ray_backend_replaces_grows_and_shrinks(cluster, tmp_path, ti
     try:
         scaler.start()
         assert scaler.started == ["auto-0"]
-        wait_for("auto-0 registered", lambda: registered("auto-0"), timeout_s=240)
+        wait_for("auto-0 registered", lambda: registered("auto-0"), timeout_s=900)
 
         # killed: the backend sees the actor gone, the autoscaler records it and, once the
         # dataflow no longer counts it live (lease_seconds), launches a replacement
         ray.kill(ray.get_actor("autoscale:auto-0", namespace="astralight"), no_restart=True)
         wait_for("auto-0 replaced", lambda: scaler.step() or "auto-1" in scaler.started,
-                 timeout_s=120)
+                 timeout_s=300)
         actions = [d["action"] for d in scaler.decisions]
         assert "died" in actions and actions[-1] == "replace"
-        wait_for("auto-1 registered", lambda: registered("auto-1"), timeout_s=240)
+        wait_for("auto-1 registered", lambda: registered("auto-1"), timeout_s=900)
 
         # grow to two (the bounds say two), then shrink to one
         policy.config = dataclasses.replace(policy.config, min_instances=2)
         wait_for("a second instance", lambda: scaler.step() or "auto-2" in scaler.started,
-                 timeout_s=60)
-        wait_for("auto-2 registered", lambda: registered("auto-2"), timeout_s=240)
+                 timeout_s=300)
+        wait_for("auto-2 registered", lambda: registered("auto-2"), timeout_s=900)
         assert sorted(scaler.managed) == ["auto-1", "auto-2"]
         policy.config = dataclasses.replace(policy.config, min_instances=1, max_instances=1)
         wait_for("a scale-down", lambda: scaler.step() or scaler.retiring or scaler.retired,
-                 timeout_s=60)
+                 timeout_s=300)
         assert scaler.decisions[-1]["action"] == "scale_down"
         retired = scaler.decisions[-1]["retire"]
         assert len(retired) == 1 and len(scaler.managed) == 1
-        backend.retirements[retired[0]].join(timeout=120)
+        backend.retirements[retired[0]].join(timeout=600)
         event = next(e for e in backend.events if e["instance_id"] == retired[0])
         assert event["how"] == "drained" and event["exit_code"] == 0, event
         assert table()[retired[0]]["state"] == "left"
@@ -239,4 +242,4 @@ def test_autoscaler_ray_backend_replaces_grows_and_shrinks(cluster, tmp_path, ti
     ours = [g for g in groups.values() if str(g.get("name", "")).startswith("autoscale:")]
     assert len(ours) == 3 and all(g["state"] == "REMOVED" for g in ours), ours
     assert wait_for("the GPUs back", lambda: ray.available_resources().get("GPU") == 4,
-                    timeout_s=60)
+                    timeout_s=300)
