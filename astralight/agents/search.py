@@ -94,19 +94,28 @@ class BM25Search:
         show_title: prefix each passage with its title (``(1) Title: text``).
         stopwords: bm25s stopword list (``"en"``, a list of words, or None for none).
         name: the name the model calls the tool by (the Tool's default name).
+        min_score: the relevance threshold: a passage scoring at most this is not returned, and
+            a query with none above it gets ``no results``. 0 returns any passage sharing a
+            word with the query. A threshold keeps a query that matches only common words (a
+            misspelt name beside "born") from returning whichever passage ranks first for
+            them, which an exact-match reward then pays whenever that passage's value happens
+            to be the right one: RL learns to guess through the tool instead of to search.
     """
 
     def __init__(self, corpus: str, k: int = 3, max_chars: int = 300, show_title: bool = True,
-                 stopwords: str | list[str] | None = "en", name: str = "search"):
+                 stopwords: str | list[str] | None = "en", name: str = "search",
+                 min_score: float = 0.0):
         if k < 1:
             raise ValueError(f"k: must be >= 1 passage, got {k}")
         if max_chars < 1:
             raise ValueError(f"max_chars: must be >= 1, got {max_chars}")
+        if not min_score >= 0:
+            raise ValueError(f"min_score: must be a BM25 score >= 0, got {min_score}")
         bm25s = _import_bm25s()
         from bm25s.tokenization import Tokenizer
 
         self.corpus_path, self.k, self.max_chars = str(corpus), int(k), int(max_chars)
-        self.show_title = bool(show_title)
+        self.show_title, self.min_score = bool(show_title), float(min_score)
         self.__name__ = name  # what astralight.agents.tools.Tool names the tool by default
         self.passages = read_corpus(corpus)
         self.tokenizer = Tokenizer(lower=True, stopwords=stopwords)
@@ -119,12 +128,14 @@ class BM25Search:
         return len(self.passages)
 
     def retrieve(self, query: str, k: int | None = None) -> list[tuple[dict, float]]:
-        """``(passage, score)`` of the best ``k`` passages with a positive score, best first."""
+        """``(passage, score)`` of the best ``k`` passages scoring above ``min_score``, best
+        first."""
         k = min(int(k or self.k), len(self.passages))
         ids = self.tokenizer.tokenize([str(query)], update_vocab=False, return_as="ids",
                                       show_progress=False)
         docs, scores = self.retriever.retrieve(ids, k=k, show_progress=False, n_threads=0)
-        return [(self.passages[int(d)], float(s)) for d, s in zip(docs[0], scores[0]) if s > 0]
+        return [(self.passages[int(d)], float(s)) for d, s in zip(docs[0], scores[0])
+                if s > self.min_score]
 
     def format(self, hits: list[tuple[dict, float]]) -> str:
         """Hits as the model reads them: ``(1) Title: text`` lines."""

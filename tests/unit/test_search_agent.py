@@ -76,6 +76,23 @@ def test_corpus_defaults_and_bad_arguments(tmp_path, corpus):
     assert rows == [{"id": "0", "title": "", "text": "only text"}]
     with pytest.raises(ValueError, match="k: must be >= 1"):
         BM25Search(str(corpus), k=0)
+    with pytest.raises(ValueError, match="min_score: must be a BM25 score >= 0"):
+        BM25Search(str(corpus), min_score=-1)
+
+
+def test_min_score_keeps_a_misspelt_name_from_returning_a_stranger(tmp_path):
+    """In the synthetic world a question shares one common word with a third of the corpus
+    ("born"); with a misspelt name that word alone ranks some other person's passage first,
+    whose value an exact-match reward pays by chance. Above the threshold only the name counts."""
+    paths = write_synthetic_qa(tmp_path, seed=0, n_people=200, eval_share=0.2)
+    row = json.loads(Path(paths["train"]).read_text().splitlines()[0])
+    name = row["supporting_facts"][0][0]
+    misspelt = row["question"].replace(name, name[:-1] + ("q" if name[-1] != "q" else "z"))
+    loose = BM25Search(paths["corpus"], k=1, show_title=False)
+    strict = BM25Search(paths["corpus"], k=1, show_title=False, min_score=1.0)
+    assert row["answer"] in strict(row["question"]) == loose(row["question"])
+    assert name not in loose(misspelt) and loose(misspelt).startswith("(1) ")  # a stranger
+    assert strict(misspelt) == f"no results for {misspelt!r}"
 
 
 def test_the_tool_loads_by_import_path_with_its_schema(corpus):
