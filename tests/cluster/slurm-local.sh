@@ -6,7 +6,7 @@
 #
 # The project's copy of ../shared/cluster/slurm-local.sh (CI clones have no ../shared), used by
 # tests/integration/test_slurm_cluster.py. Its one addition: KILL_WAIT (KillWait, the seconds
-# between a job's SIGTERM and its SIGKILL; 60 here, Slurm's default is 30), so that a plain
+# between a job's SIGTERM and its SIGKILL; 120 here, Slurm's default is 30), so that a plain
 # scancel of a 2-core toy run leaves time for the orderly stop of examples/cluster/slurm.
 #
 # Slurm commands then run inside the cluster's network namespace (see NETNS):
@@ -26,7 +26,7 @@ FAKE_CPUS=${FAKE_CPUS:-32}
 FAKE_GPUS=${FAKE_GPUS:-8}
 MEM_MB=${MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 3 / 4)}' /proc/meminfo)}
 PARTITION=${PARTITION:-debug}
-KILL_WAIT=${KILL_WAIT:-60}
+KILL_WAIT=${KILL_WAIT:-120}
 NETNS=${NETNS-slurmci}
 IN=()
 # nsenter, not `ip netns exec`: the latter mounts a fresh /sys, hiding /sys/fs/cgroup, and slurmd
