@@ -39,7 +39,7 @@ __all__ = ["SEARCH_SYSTEM_PROMPT", "SEARCH_TOOL_ARGS", "search_conversations",
 #: the recipe's system prompt (the chat template also announces the tools by name)
 SEARCH_SYSTEM_PROMPT = "Search, then answer in a word."
 #: the recipe's search tool settings besides the corpus (short results: a char-level model)
-SEARCH_TOOL_ARGS: dict = {"k": 1, "max_chars": 80, "show_title": False}
+SEARCH_TOOL_ARGS: dict = {"k": 1, "max_chars": 80, "show_title": False, "min_score": 1.0}
 
 
 def search_conversations(questions: str, tool: BM25Search, count: int | None = None,
