@@ -124,6 +124,12 @@ def run_recipe(base: dict, seed: int, dtype: str | None, versions: int | None,
         raise SystemExit(str(exc)) from None
 
 
+def prepare_recipe(base: dict, overrides: list[str]) -> dict:
+    """The recipe the shared warm start is built from: ``base`` at its own seed, with the
+    ``--set`` overrides (so ``--set prepare.kwargs.sft_steps=1200`` reaches the warm start)."""
+    return run_recipe(base, base.get("seed", 0), None, None, overrides)
+
+
 def prepare_once(name: str, recipe: dict, out: Path) -> Path | None:
     """Build the example's warm start once into ``out/NAME/_prepared`` (its ``models/init`` and
     whatever else the prepare step writes under ``{run_dir}``, e.g. the search agent's data)."""
@@ -367,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     bases = {name: example_recipe(name) for name in names}  # every name checked before any run
     rows: list[dict] = []
     for name in names:
-        prepared = prepare_once(name, bases[name], args.out_dir)
+        prepared = prepare_once(name, prepare_recipe(bases[name], args.overrides), args.out_dir)
         for dtype, condition, seed in itertools.product(
                 dtypes, conditions, range(args.first_seed, args.first_seed + args.seeds)):
             recipe = run_recipe(bases[name], seed, dtype, args.versions, args.overrides)

@@ -79,3 +79,11 @@ def test_plot_from_earlier_rows(tmp_path):
         bench.main(["--plot-from", str(jsonl)])
     with pytest.raises(SystemExit, match="no run has an eval curve"):
         bench.plot([{**rows[0], "eval": {}}], png)
+
+
+def test_the_warm_start_is_built_with_the_overrides_at_the_recipes_own_seed():
+    base = bench.example_recipe("search_agent")
+    recipe = bench.prepare_recipe(base, ["prepare.kwargs.sft_steps=1200"])
+    kwargs, base_kwargs = recipe["prepare"]["kwargs"], base["prepare"]["kwargs"]
+    assert kwargs["sft_steps"] == 1200 != base_kwargs["sft_steps"]
+    assert recipe["seed"] == base["seed"] and kwargs["seed"] == base_kwargs["seed"]
