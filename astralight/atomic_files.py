@@ -4,7 +4,7 @@ rename it over the target, fsync the folder.
 Why beside the target: ``os.replace`` is atomic only within one file system, and a temp file in
 the system temp folder may be on another (a tmpfs ``/tmp``, a mounted run folder). Why the
 folder fsync: until it, a machine crash may lose the rename itself. Used for checkpoints
-(:mod:`astralight.checkpoint_io`) and the launcher's run-folder files
+(:mod:`astralight.trainer.checkpoint_io`) and the launcher's run-folder files
 (:mod:`astralight.launch.state`); standard library only, so the launcher imports it without
 Lightning.
 """

@@ -120,7 +120,7 @@ def _fit(argv: list[str]) -> int:
     if not argv:
         print(FIT_USAGE, file=sys.stderr)
         return 2
-    from astralight.trainer_cli import main as fit_main
+    from astralight.trainer.trainer_cli import main as fit_main
 
     wake_on_sigterm()  # a SIGTERM wakes a wait for an unreachable dataflow (see the client)
     try:
@@ -186,7 +186,7 @@ def _main(argv: list[str]) -> int:
 
         return report_main(rest) or 0
     if command == "export":
-        from astralight.export import main as export_main
+        from astralight.trainer.export import main as export_main
 
         return export_main(rest) or 0
     if command == "prepare":

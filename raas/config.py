@@ -218,12 +218,12 @@ def _engine_class_and_kwargs(model_id: str, spec: dict) -> tuple[Any, dict]:
 def check_engine_spec(model_id: str, spec: dict) -> None:
     """Check one engine's arguments before anything starts: every key is a parameter of the
     engine class (a typo such as ``max_model_length`` names the key and the closest parameter),
-    and a local ``model_path`` (:func:`astralight.hf_models.is_local_path`: absolute, ``./``,
+    and a local ``model_path`` (:func:`astralight.trainer.hf_models.is_local_path`: absolute, ``./``,
     ``../``, ``~`` or ``a/b/c``) exists. A hub id (``org/name``) is left to the engine. Raises ValueError naming ``engines.<model_id>.<key>``."""
     import difflib
     import inspect
 
-    from astralight.hf_models import check_model_path
+    from astralight.trainer.hf_models import check_model_path
 
     cls, kwargs = _engine_class_and_kwargs(model_id, spec)
     where = f"engines.{model_id}" + (".init_args" if "class_path" in spec else "")

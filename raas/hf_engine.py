@@ -71,7 +71,7 @@ class HFEngine(BatchedEngine):
         self.device, self.dtype, self.batch_size = torch.device(device), getattr(torch, dtype), batch_size
         self.max_batch = max(batch_size, 64)  # requests per _generate call (split into batch_size)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        from astralight.hf_models import causal_lm_from_pretrained  # loads must not overlap
+        from astralight.trainer.hf_models import causal_lm_from_pretrained  # loads must not overlap
 
         self.model = causal_lm_from_pretrained(str(model_path), dtype=self.dtype).to(
             self.device).eval()

@@ -40,7 +40,7 @@ from typing import Any
 
 from astralight.raas.membership import RUN_CHANGED_EXIT, _field, _status, refused_secret
 from astralight.raas.weight_sync import EngineConfigError
-from astralight.supervise import EXIT_USAGE
+from astralight.launch.supervise import EXIT_USAGE
 from astralight.workflows.base import BrokenWorkflowError, TaskFailedError, as_episode_runner
 
 log = logging.getLogger("astralight.raas")

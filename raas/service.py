@@ -28,7 +28,7 @@ from astralight.raas.membership import (HARD_STOP_CALLS_S, HARD_STOP_EXIT, RUN_C
                                         TAKEN_OVER_EXIT, Membership)
 from astralight.raas.runner import Counters, EpisodeRunner
 from astralight.raas.weight_sync import WeightSync
-from astralight.supervise import EXIT_USAGE
+from astralight.launch.supervise import EXIT_USAGE
 
 log = logging.getLogger("astralight.raas")
 

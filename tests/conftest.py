@@ -38,7 +38,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A freshly built tiny Qwen3 model + char tokenizer folder (random weights, seed 0)."""
-    from astralight.tinymodel import build_tiny_model_folder
+    from astralight.trainer.tinymodel import build_tiny_model_folder
 
     return build_tiny_model_folder(tmp_path_factory.mktemp("tiny_model") / "model")
 
@@ -86,7 +86,7 @@ def stand_in_model_config(tmp_path):
 
     import yaml
 
-    from astralight.hf_models import is_local_path
+    from astralight.trainer.hf_models import is_local_path
 
     def copy(path):
         config = yaml.safe_load(Path(path).read_text())

@@ -452,7 +452,7 @@ class FakeDataflowClient:
     def __init__(self, model_dir, model_id: str = "policy", temperature: float = 1.0,
                  group_size: int = 2, seed: int = 0, logprob_noise: float = 0.0,
                  group_rewards=None):
-        from astralight.hf_models import causal_lm_from_pretrained
+        from astralight.trainer.hf_models import causal_lm_from_pretrained
 
         self.model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
         self.model_id = model_id

@@ -870,7 +870,7 @@ def prepare_model(out_dir: Path, sft_steps: int | None = None) -> Path:
     if (out_dir / "config.json").exists():
         return out_dir
     if sft_steps == 0:
-        from astralight.tinymodel import build_tiny_model_folder
+        from astralight.trainer.tinymodel import build_tiny_model_folder
 
         return Path(build_tiny_model_folder(out_dir))
     import importlib

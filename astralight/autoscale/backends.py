@@ -10,7 +10,7 @@ A backend knows nothing of policy; the autoscaler tells it which instance to sta
   for the process; SIGTERM (the RaaS drains on it too) after ``drain_timeout_s``, SIGKILL
   ``kill_after_s`` later. Retirement runs in a thread, so the autoscaler keeps polling meanwhile.
   Children get SIGTERM if the autoscaler process dies, even by SIGKILL (Linux parent-death
-  signal, :mod:`astralight.proc`), so a killed autoscaler leaves no orphan RaaS behind; launches
+  signal, :mod:`astralight.launch.proc`), so a killed autoscaler leaves no orphan RaaS behind; launches
   happen on the autoscaler's loop thread, which lives as long as the pool (the signal follows
   the forking *thread*). Instances it did not start (a restarted autoscaler adopting a previous
   one's, see :mod:`astralight.autoscale.service`) are not its children: :meth:`alive` cannot
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from astralight.dataflow.auth import ROLLOUT, handoff_env
-from astralight.proc import spawn
+from astralight.launch.proc import spawn
 
 log = logging.getLogger("astralight.autoscale")
 
@@ -125,7 +125,7 @@ class LocalProcessBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance_id}.log"
         with open(log_path, "ab", buffering=0) as log_file:
-            # dies with the autoscaler (astralight.proc): a SIGKILLed autoscaler orphans no RaaS
+            # dies with the autoscaler (astralight.launch.proc): a SIGKILLed autoscaler orphans no RaaS
             # with scoped tokens, each RaaS gets the rollout token (not the autoscaler's admin one)
             env = handoff_env({**os.environ, **self.env}, ROLLOUT)
             proc = spawn(self.argv(instance_id), cpus=self.cpus, stdout=log_file,

@@ -9,7 +9,7 @@
   GPU and one CPU: ``--ray-resources '{"num_gpus": 1, "num_cpus": 1}'``), waits until Ray has
   placed it (``BackendError`` naming the resources after ``ready_timeout_s``: the cluster is full,
   and the autoscaler's next decision tries again), then starts ``raas serve ... --instance_id ID``
-  in a :class:`~astralight.ray_process.ProcessActor` there, its output in ``LOG_DIR/ID.log``.
+  in a :class:`~astralight.launch.ray_process.ProcessActor` there, its output in ``LOG_DIR/ID.log``.
 - :meth:`RayBackend.retire` drains through the dataflow (``POST /v1/instances/{id}/drain``), waits
   for the process, SIGTERM after ``drain_timeout_s``, SIGKILL ``kill_after_s`` later (in a thread,
   like the local backend), then ends the actor and removes its placement group: the GPU goes back
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from astralight.autoscale.backends import BackendError
 from astralight.dataflow.auth import ROLLOUT, handoff_env
-from astralight.ray_process import (RayProcess, RayUnavailable, bundle, check_resources, connect,
+from astralight.launch.ray_process import (RayProcess, RayUnavailable, bundle, check_resources, connect,
                                     env_overlay, start_actor)
 
 log = logging.getLogger("astralight.autoscale")

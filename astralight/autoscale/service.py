@@ -21,7 +21,7 @@ returns at once, and whatever stops after the autoscaler (the dataflow) must out
 The autoscaler holds no state the dataflow does not. Restarted (after a crash, kill -9, a
 preemption) while instances a previous run of it started are still registered -- under a command
 backend (Slurm, Kubernetes) they outlive it on purpose; local instances die with it (parent-death
-signal, :mod:`astralight.proc`) but one may linger until it deregisters -- it **adopts** them
+signal, :mod:`astralight.launch.proc`) but one may linger until it deregisters -- it **adopts** them
 instead of starting a second pool: every live instance of the dataflow's table whose id is
 ``<id_prefix>-<k>`` and that serves ``model_id`` counts as its own (managed: retirable, drained on
 shutdown), at start before the initial launch (which then starts only the shortfall) and on every

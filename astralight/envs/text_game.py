@@ -39,7 +39,7 @@ from astralight.envs.textworld_tasks import is_eval_game
 from astralight.envs.textworld_warmstart import walkthrough_conversation
 from astralight.protocol import Task
 from astralight.tasks.sft_loop import Progress
-from astralight.tinymodel import CHAT_MODEL_SPEC
+from astralight.trainer.tinymodel import CHAT_MODEL_SPEC
 from astralight.workflows.chat_env import first_messages
 
 __all__ = ["TEXT_GAME_ENV_KWARGS", "TEXT_GAME_SYSTEM_PROMPT", "make_text_games",

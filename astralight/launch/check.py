@@ -437,7 +437,7 @@ def _precheck_trainer_keys(recipe: dict) -> None:
 
 
 def _check_trainer(index: int, name: str, path: Path) -> None:
-    from astralight.trainer_cli import main as fit_main
+    from astralight.trainer.trainer_cli import main as fit_main
 
     where = f"recipe.trainers[{index}]"
     try:

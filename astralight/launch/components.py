@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from astralight.launch.state import write_atomic
-from astralight.proc import spawn
+from astralight.launch.proc import spawn
 from astralight.launch.recipe import RecipeError, autoscale_settings, with_pythonpath
 
 
@@ -57,7 +57,7 @@ class Component:
     extra_argv: list[str] = field(default_factory=list)
     #: the launcher's environment it inherits (None: ``os.environ`` as it is at each start)
     base_env: dict | None = None
-    #: whether the running process is a prewarmed one it became (:mod:`astralight.prewarm`)
+    #: whether the running process is a prewarmed one it became (:mod:`astralight.launch.prewarm`)
     prewarmed: bool = False
     proc: subprocess.Popen | None = None
     log_file: Any = None
@@ -75,7 +75,7 @@ class Component:
         return signal.SIGINT if self.kind == "trainer" else signal.SIGTERM
 
     def start(self, pool: Any = None) -> None:
-        """Start the process; ``pool`` (a :class:`~astralight.prewarm.PrewarmPool`): become one
+        """Start the process; ``pool`` (a :class:`~astralight.launch.prewarm.PrewarmPool`): become one
         of its prewarmed processes that fits, if one does, instead of starting a fresh one."""
         if self.log_file is not None:  # a restart: the previous process's log handle
             self.log_file.close()
@@ -93,7 +93,7 @@ class Component:
                   f"{'; '.join(pool.misfits)}", flush=True)
         # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then stops
         # the components in order instead of all at once. The child gets SIGTERM if the launcher
-        # dies, even by SIGKILL (astralight.proc): a killed launcher leaves no stray component.
+        # dies, even by SIGKILL (astralight.launch.proc): a killed launcher leaves no stray component.
         # Components are started and restarted on the thread that runs the launcher's loop,
         # which outlives them (the parent-death signal follows the forking thread). The signal is
         # the one the launcher's own stop sends: SIGINT for a trainer (Lightning's graceful stop,
@@ -308,9 +308,9 @@ def build_components(recipe: dict, run_dir: Path, url: str, port: int,
 
 
 #: what a prewarmed process of each kind imports before any config is read
-#: (:mod:`astralight.prewarm`): the component's entry point and the heavy libraries it loads
+#: (:mod:`astralight.launch.prewarm`): the component's entry point and the heavy libraries it loads
 PREWARM_IMPORTS = {"raas": ("astralight.raas.service",),
-                   "trainer": ("astralight.trainer_cli", "transformers.models.auto.modeling_auto")}
+                   "trainer": ("astralight.trainer.trainer_cli", "transformers.models.auto.modeling_auto")}
 #: what a vLLM engine adds to a RaaS's prewarm imports (what ``from vllm import LLM`` loads)
 VLLM_IMPORTS = ("vllm.entrypoints.llm",)
 
@@ -345,11 +345,11 @@ def prewarm_plan(recipe: dict) -> list[tuple[str, list[str], int]]:
 
 
 def prewarm_components(recipe: dict, run_dir: Path, pool: Any, base_env: dict) -> int:
-    """Start, in ``pool`` (a :class:`~astralight.prewarm.PrewarmPool`), the prewarmed processes
+    """Start, in ``pool`` (a :class:`~astralight.launch.prewarm.PrewarmPool`), the prewarmed processes
     of :func:`prewarm_plan`, each with the environment (``base_env`` and its kind's ``env``)
     and pinning :func:`build_components` will give its component; the number started (0 with
     ``ASTRALIGHT_PREWARM=0``)."""
-    from astralight.prewarm import enabled
+    from astralight.launch.prewarm import enabled
 
     if not enabled(base_env):
         return 0

@@ -17,7 +17,7 @@ from astralight.dataflow.client import DataflowClient
 
 if TYPE_CHECKING:
     from astralight.launch.components import Component
-    from astralight.supervise import Supervisor
+    from astralight.launch.supervise import Supervisor
 
 
 def dataflow_client(url: str, timeout: float = 5.0, retry_s: float = 0.0) -> DataflowClient:

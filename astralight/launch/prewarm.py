@@ -19,7 +19,7 @@ environment or pinning turns out different from the prewarmed one's (say a place
 ``ASTRALIGHT_PREWARM=0`` turns prewarming off.
 
 Launcher side: :class:`PrewarmPool`; the process side: :func:`main`
-(``python -m astralight.prewarm``).
+(``python -m astralight.launch.prewarm``).
 """
 
 from __future__ import annotations
@@ -125,12 +125,12 @@ class PrewarmPool:
         """Start one prewarmed process for a component of ``kind`` importing ``imports``. The
         run folder is on its command line, so that :func:`astralight.launch.running_components`
         knows it as this run's."""
-        from astralight.proc import spawn
+        from astralight.launch.proc import spawn
 
         env = without_tokens({k: str(v) for k, v in env.items()})
         fd, name = tempfile.mkstemp(prefix=f"astralight-prewarm-{kind}-", suffix=".log")
         output = Path(name)
-        argv = [sys.executable, "-m", "astralight.prewarm", "--kind", kind, "--run-dir",
+        argv = [sys.executable, "-m", "astralight.launch.prewarm", "--kind", kind, "--run-dir",
                 str(run_dir), "--output", str(output)]
         for module in imports:
             argv += ["--import", module]
@@ -191,7 +191,7 @@ def _become(order: dict, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int | None:
     """Import, wait for the hand-off, then run the component as ``__main__``."""
-    parser = argparse.ArgumentParser(prog="python -m astralight.prewarm")
+    parser = argparse.ArgumentParser(prog="python -m astralight.launch.prewarm")
     parser.add_argument("--kind", required=True)
     parser.add_argument("--run-dir", required=True, help="the run it is for (identifies it)")
     parser.add_argument("--output", required=True, type=Path)

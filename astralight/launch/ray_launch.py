@@ -3,7 +3,7 @@
 The launch is the local one (:mod:`astralight.launch.runner`: the same recipe, configs, commands,
 supervision, stop sequence, progress and summary); only where each process runs changes. Each
 component becomes a :class:`RayComponent`: a :class:`~astralight.launch.components.Component`
-whose process is the child of a :class:`~astralight.ray_process.ProcessActor`, its log still
+whose process is the child of a :class:`~astralight.launch.ray_process.ProcessActor`, its log still
 ``RUN/logs/NAME.log`` (the run folder must be on a file system every node shares, as on Slurm).
 
 Placement (recipe ``ray``, :func:`ray_settings`):
@@ -39,7 +39,7 @@ from typing import Any
 from astralight.launch.components import Component
 from astralight.launch.recipe import RecipeError
 from astralight.launch.state import write_atomic
-from astralight.ray_process import (RayUnavailable, bundle, check_resources, connect, env_overlay,
+from astralight.launch.ray_process import (RayUnavailable, bundle, check_resources, connect, env_overlay,
                                     start_actor)
 
 #: ``recipe.ray`` keys and their defaults (resources per component kind)

@@ -125,7 +125,7 @@ class ProcessActor:
     """The actor (decorated with ``ray.remote`` by :func:`actor_class`): one child process.
 
     Its methods run on the worker's main thread (a single-threaded actor), which lives as long
-    as the actor: the child's parent-death signal (:mod:`astralight.proc`) is tied to it.
+    as the actor: the child's parent-death signal (:mod:`astralight.launch.proc`) is tied to it.
     """
 
     def __init__(self):
@@ -139,7 +139,7 @@ class ProcessActor:
         appended to ``log_path``. Where it runs: pid, node, GPUs."""
         import ray
 
-        from astralight.proc import spawn
+        from astralight.launch.proc import spawn
 
         env = {**os.environ, **overlay}
         for key in removed:

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from astralight.supervise import SuperviseError, supervise_settings
+from astralight.launch.supervise import SuperviseError, supervise_settings
 
 
 class RecipeError(ValueError):
@@ -303,7 +303,7 @@ def autoscale_settings(spec: Any) -> dict:
 
 
 def supervise_settings_checked(spec: Any) -> dict | None:
-    """:func:`astralight.supervise.supervise_settings`, its errors as :class:`RecipeError`."""
+    """:func:`astralight.launch.supervise.supervise_settings`, its errors as :class:`RecipeError`."""
     try:
         return supervise_settings(spec)
     except SuperviseError as exc:

@@ -11,7 +11,7 @@ mappings here: their own parsers check them (``astralight run --check``, :mod:`a
 value of the wrong type naming its key and what is expected (``recipe.stop.timeout_s: ...
 expected: seconds, a number > 0 such as 900``). Range and cross-field rules (autoscale bounds,
 supervise backoff, ``stop.versions`` a multiple of ``dataflow.eval.every``) stay with the code
-that applies them (:mod:`astralight.launch.recipe`, :mod:`astralight.supervise`).
+that applies them (:mod:`astralight.launch.recipe`, :mod:`astralight.launch.supervise`).
 
 Every key the launcher reads is declared here; adding one to the launcher means adding it here
 (``tests/unit/test_recipe_schema.py`` loads every shipped recipe).
@@ -35,7 +35,7 @@ from jsonargparse.typing import (
 )
 
 from astralight.launch.guard import GUARD_DEFAULTS
-from astralight.supervise import SUPERVISE_DEFAULTS
+from astralight.launch.supervise import SUPERVISE_DEFAULTS
 
 
 def _help(text: str) -> dict:

@@ -62,8 +62,8 @@ from astralight.launch.stop import (GUARD, INTERRUPTED, TIMEOUT, StopConditions,
 from astralight.launch.summary import (TIME_TO_ACCURACY, build_summary, final_eval, policy_stats,
                                     read_pool_history, short_line, trainer_wait_fraction,
                                     wall_s_to_accuracy, write_summary)
-from astralight.prewarm import PrewarmPool
-from astralight.supervise import GiveUp, RestartEvent, Supervisor
+from astralight.launch.prewarm import PrewarmPool
+from astralight.launch.supervise import GiveUp, RestartEvent, Supervisor
 
 
 def _say(text: str) -> None:
@@ -80,7 +80,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     from their last checkpoint, the prepared model reused) until ``stop.versions``; the recipe
     defaults to the one the first launch saved in ``run_dir/recipe.yaml``.
 
-    Components are supervised (``recipe.supervise``, :mod:`astralight.supervise`): a crashed one
+    Components are supervised (``recipe.supervise``, :mod:`astralight.launch.supervise`): a crashed one
     is restarted -- the dataflow on its state folder, a RaaS fresh, a trainer from its last
     checkpoint -- and the run fails only when one crashes more than ``max_restarts`` times.
 
@@ -94,7 +94,7 @@ def run(recipe_path: Path | None, run_dir: Path | None = None, quiet: bool = Fal
     """
     t_start = time.time()
     if backend == "ray":  # before anything is checked or built: is Ray installed at all
-        from astralight.ray_process import RayUnavailable, require_ray
+        from astralight.launch.ray_process import RayUnavailable, require_ray
 
         try:
             require_ray()
@@ -188,7 +188,7 @@ def _read_recipe(recipe_path: Path, run_dir: Path | None, check: bool, pool: Pre
     """The recipe, its supervise settings, its stop settings and the run folder, checked before
     anything starts (the recipe's ``pythonpath`` goes on ``sys.path`` first, for the checks and
     prepare). The RaaS and trainers are prewarmed in ``pool`` before the check
-    (:mod:`astralight.prewarm`): they only import until they are started (not with ``prewarm``
+    (:mod:`astralight.launch.prewarm`): they only import until they are started (not with ``prewarm``
     off: Ray-placed components start on other nodes)."""
     recipe = load_recipe(recipe_path)
     settings = supervise_settings_checked(recipe.get("supervise"))

@@ -12,7 +12,7 @@ from astralight.atomic_files import atomic_write_bytes
 
 if TYPE_CHECKING:
     from astralight.launch.components import Component
-    from astralight.supervise import Supervisor
+    from astralight.launch.supervise import Supervisor
 
 
 def write_atomic(path: Path, text: str) -> Path:

@@ -24,7 +24,7 @@ Every stop -- versions reached, trainers finished on their own (e.g. Lightning `
 :mod:`astralight.launch.guard`), the first Ctrl-C or SIGTERM to the launcher (``interrupted``;
 a second one stops every component at once) -- goes through :class:`StopSequence`: trainers
 still running get SIGTERM, on which ``astralight fit`` ends its fit as if ``max_steps`` were
-reached (:mod:`astralight.graceful_stop`: the last checkpoint saved, the last version published);
+reached (:mod:`astralight.trainer.graceful_stop`: the last checkpoint saved, the last version published);
 then the last version of each policy is evaluated (``POST /v1/eval``, whatever ``eval.every``
 says), for at most ``final_eval_timeout_s``; then the summary is written with ``stop_reason``.
 """
@@ -311,7 +311,7 @@ class StopSequence:
     """The steps every stop goes through, advanced by :meth:`step` from the launcher's loop.
 
     1. Trainers still running get SIGTERM (``astralight fit`` then ends its fit as at
-       ``max_steps``: last checkpoint, last version published; :mod:`astralight.graceful_stop`)
+       ``max_steps``: last checkpoint, last version published; :mod:`astralight.trainer.graceful_stop`)
        and are ``retire``-d, so the supervisor never restarts them. One still running after
        ``final_eval_timeout_s`` + :data:`TRAINER_GRACE_S` is stopped hard (``force_stop``).
     2. The last version of each policy in ``model_ids`` is evaluated: ``request_eval(model_id,

@@ -158,7 +158,7 @@ class Supervisor:
         restart: called with a component to start it again (the launcher picks the checkpoint
             of a trainer, rewrites ``pids.json``, ...); may raise, which counts as one more crash.
             It runs on the thread that calls :meth:`poll`: keep that the launcher's long-lived
-            loop thread, since a child's parent-death signal (:mod:`astralight.proc`) fires when
+            loop thread, since a child's parent-death signal (:mod:`astralight.launch.proc`) fires when
             the thread that forked it exits.
         clock: wall-clock seconds (a fake in tests).
         log: one line per decision.

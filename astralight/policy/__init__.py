@@ -31,11 +31,11 @@ the ratio on fresh data, agree.
 Distributed training
 --------------------
 DDP (``strategy: ddp``) for a model that fits on one GPU; for sharded training, FSDP2 through
-:class:`astralight.fsdp2_strategy.FSDP2Strategy` (Lightning's ``ModelParallelStrategy``;
+:class:`astralight.trainer.fsdp2_strategy.FSDP2Strategy` (Lightning's ``ModelParallelStrategy``;
 ``data_parallel_size: auto`` = every GPU of the trainer, ``tensor_parallel_size: 1``):
 :meth:`RLPolicy.configure_model` shards the model (after the peft wrap) and the KL reference with
 ``fully_shard`` per decoder layer, the trainer's ``precision`` maps onto FSDP2's mixed precision
-(``bf16-mixed``: fp32 masters, bf16 all-gather/compute, fp32 reduce; see :mod:`astralight.fsdp2`),
+(``bf16-mixed``: fp32 masters, bf16 all-gather/compute, fp32 reduce; see :mod:`astralight.trainer.fsdp2`),
 and the gradient clip takes the global norm over the DTensor shards. Lightning's ``FSDPStrategy``
 (FSDP1) is refused at setup: Lightning runs ``training_step`` inside FSDP1's root forward, where
 several forward/backward passes per step break FSDP1 (Lightning issue #19685).

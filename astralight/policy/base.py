@@ -19,8 +19,8 @@ from lightning.pytorch.core.optimizer import do_nothing_closure
 import torch
 from torch import Tensor
 
-from astralight.hf_models import check_model_path
-from astralight.lora import LoraSpec
+from astralight.trainer.hf_models import check_model_path
+from astralight.trainer.lora import LoraSpec
 from astralight.policy import batch as batch_ops
 from astralight.policy.causal_lm import build_policy_models, save_model_folder
 from astralight.policy.metrics import (batch_stats, combine_metrics, mean_over_updates,
@@ -119,7 +119,7 @@ class RLPolicy(pl.LightningModule):
         logprob_chunk_tokens: token positions per log-softmax chunk (memory bound; ``None``: auto).
         lora: train a LoRA adapter (peft) instead of all weights, e.g.
             ``{r: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, v_proj], publish: adapter}``
-            (keys and defaults: :class:`astralight.lora.LoraSpec`). Only the adapter parameters
+            (keys and defaults: :class:`astralight.trainer.lora.LoraSpec`). Only the adapter parameters
             train. ``publish: adapter`` makes the WeightPublisher send only the adapter tensors
             (PEFT names; the RaaS engine needs ``enable_lora``), ``publish: merged`` the merged
             full weights under the base names. With ``kl_coef > 0`` the KL reference is the base
@@ -251,10 +251,10 @@ class RLPolicy(pl.LightningModule):
 
         Under ``ModelParallelStrategy`` (FSDP2; the strategy gives the module a device mesh) the
         model -- after the peft wrap -- and the KL reference model are sharded with
-        ``fully_shard`` per decoder layer and at the root (:func:`astralight.fsdp2.shard`; the
+        ``fully_shard`` per decoder layer and at the root (:func:`astralight.trainer.fsdp2.shard`; the
         trainer's ``precision`` maps onto FSDP2's mixed precision as documented there), and only
         global rank zero reads the weights. Lightning's ``FSDPStrategy`` (FSDP1) is refused
-        (:func:`astralight.fsdp2.refuse_fsdp1`: it cannot run several forward/backward passes
+        (:func:`astralight.trainer.fsdp2.refuse_fsdp1`: it cannot run several forward/backward passes
         per step). :func:`astralight.policy.causal_lm.build_policy_models` does the work.
         """
         if self.model is not None:
@@ -536,8 +536,8 @@ class RLPolicy(pl.LightningModule):
 
     def _clip_and_norm(self) -> Tensor:
         """Clip to ``grad_clip`` by the global norm over all ranks' gradients (FSDP2 DTensor
-        shards included: :func:`astralight.fsdp2.clip_grad_norm`) and return that norm."""
-        from astralight.fsdp2 import clip_grad_norm
+        shards included: :func:`astralight.trainer.fsdp2.clip_grad_norm`) and return that norm."""
+        from astralight.trainer.fsdp2 import clip_grad_norm
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         return clip_grad_norm(params, self.grad_clip or None, device=self.device)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from astralight.hf_models import causal_lm_from_pretrained, causal_lm_on_meta
-from astralight.lora import LoraSpec, wrap_model
+from astralight.trainer.hf_models import causal_lm_from_pretrained, causal_lm_on_meta
+from astralight.trainer.lora import LoraSpec, wrap_model
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -48,7 +48,7 @@ def load_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Mo
 def empty_causal_lm(model_path: str, disable_dropout: bool = True) -> torch.nn.Module:
     """The same model as :func:`load_causal_lm` built on the meta device: shapes, names and tied
     weights without memory or weights (no file read). FSDP2 ranks other than zero start from it
-    and receive their shards from rank zero (:func:`astralight.fsdp2.shard_from_rank0`)."""
+    and receive their shards from rank zero (:func:`astralight.trainer.fsdp2.shard_from_rank0`)."""
     model = causal_lm_on_meta(_causal_lm_config(model_path, disable_dropout),
                               dtype=torch.float32)
     if disable_dropout:
@@ -78,14 +78,14 @@ def build_policy_models(model_path: str, *, disable_dropout: bool, gradient_chec
     adapters trainable, B = 0 so the wrapped model starts exactly as the base model); its
     adapters are drawn under ``seed``, so runs repeat and every rank starts from the same
     adapter. ``trainer`` (None outside a fit) decides the distribution: Lightning's
-    ``FSDPStrategy`` (FSDP1) is refused (:func:`astralight.fsdp2.refuse_fsdp1`); under
+    ``FSDPStrategy`` (FSDP1) is refused (:func:`astralight.trainer.fsdp2.refuse_fsdp1`); under
     ``ModelParallelStrategy`` (FSDP2, the strategy gives ``module`` a device mesh) only global
     rank zero reads the weights (one full copy in host memory, not one per rank), and the model
     -- after the peft wrap -- and the reference are sharded with ``fully_shard`` per decoder
-    layer and at the root (:func:`astralight.fsdp2.shard_from_rank0`; the trainer's
+    layer and at the root (:func:`astralight.trainer.fsdp2.shard_from_rank0`; the trainer's
     ``precision`` maps onto FSDP2's mixed precision as documented there).
     """
-    from astralight import fsdp2
+    from astralight.trainer import fsdp2
 
     precision, mesh = None, None
     if trainer is not None:
@@ -132,7 +132,7 @@ def save_model_folder(model: torch.nn.Module, model_path: str, path: str, sharde
     if sharded:
         import torch.distributed as dist
 
-        from astralight.fsdp2 import full_state_dict
+        from astralight.trainer.fsdp2 import full_state_dict
 
         state = full_state_dict(model)
         if dist.get_rank() == 0:

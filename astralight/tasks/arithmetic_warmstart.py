@@ -31,7 +31,7 @@ import torch
 from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.sft_loop import Progress, check_sft_args, pad_examples, sft
 from astralight.tasks.warmstart_folder import as_spec, build_folder, tiny_vocab_size
-from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer
+from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer
 
 PAD_ID, EOS_ID = 0, 1
 

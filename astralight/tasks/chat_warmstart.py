@@ -23,7 +23,7 @@ from astralight.agents.chat import ChatTranscript, encode
 from astralight.engine import Completion
 from astralight.tasks.sft_loop import Progress, sft
 from astralight.tasks.warmstart_folder import build_folder
-from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec, build_chat_model, build_chat_tokenizer
+from astralight.trainer.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec, build_chat_model, build_chat_tokenizer
 
 Conversation = Sequence[dict]
 

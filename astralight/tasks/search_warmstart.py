@@ -31,7 +31,7 @@ from astralight.tasks.chat_warmstart import build_chat_policy
 from astralight.tasks.qa import QASource
 from astralight.tasks.tool_warmstart import tool_call_text
 from astralight.tasks.sft_loop import Progress
-from astralight.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec
+from astralight.trainer.tinymodel import CHAT_MODEL_SPEC, TinyModelSpec
 
 __all__ = ["SEARCH_SYSTEM_PROMPT", "SEARCH_TOOL_ARGS", "search_conversations",
            "build_search_policy"]
@@ -99,7 +99,7 @@ def build_search_policy(out_dir: str | Path, data_dir: str | Path, seed: int = 0
     :func:`~astralight.agents.search.write_synthetic_qa`) and warm-start the tiny chat model on
     its train questions into ``out_dir``. ``tool_args`` must be the workflow's BM25Search
     arguments (default :data:`SEARCH_TOOL_ARGS`); ``spec`` overrides fields of the chat model's
-    shape (:data:`~astralight.tinymodel.CHAT_MODEL_SPEC`).
+    shape (:data:`~astralight.trainer.tinymodel.CHAT_MODEL_SPEC`).
 
     Why 1,000 people: with a few hundred the model memorises the train people's names instead
     of learning to copy a name from the question into the query, and held-out questions fail.

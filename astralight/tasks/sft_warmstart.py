@@ -17,7 +17,7 @@ A recipe names it as its ``prepare`` step; ``{init_model}`` is the folder it wri
 Two kinds of model:
 
 - ``model_path`` unset: the tiny Qwen3-architecture model with the character-level tokenizer
-  (:mod:`astralight.tinymodel`), built fresh (``spec`` sets its shape). Every character of the
+  (:mod:`astralight.trainer.tinymodel`), built fresh (``spec`` sets its shape). Every character of the
   prompts and targets must be in that tokenizer's alphabet (checked, naming the line);
 - ``model_path``: any Hugging Face causal LM folder (or hub id): its own tokenizer and weights,
   fine-tuned in float32 and saved with ``save_pretrained`` (its generation config kept).
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from astralight.tasks.sft_loop import Progress, check_sft_args, pad_examples, print_progress, sft
-from astralight.tinymodel import CHARACTERS, TinyModelSpec
+from astralight.trainer.tinymodel import CHARACTERS, TinyModelSpec
 
 DEFAULT_SFT_STEPS = 300
 DEFAULT_LR = 1e-2
@@ -77,14 +77,14 @@ def read_pairs(data_path: str | Path, prompt_key: str = "prompt",
 
 def _tiny_model(spec: TinyModelSpec | dict | None, pairs: list[tuple[str, str]]):
     from astralight.tasks.warmstart_folder import as_spec
-    from astralight.tinymodel import build_model, build_tokenizer
+    from astralight.trainer.tinymodel import build_model, build_tokenizer
 
     alphabet = set(CHARACTERS)
     for number, (prompt, target) in enumerate(pairs, 1):
         unknown = sorted(set(prompt + target) - alphabet)
         if unknown:
             raise ValueError(f"data_path: example {number} has characters {unknown} that the tiny "
-                             "tokenizer does not know (astralight.tinymodel.CHARACTERS); give "
+                             "tokenizer does not know (astralight.trainer.tinymodel.CHARACTERS); give "
                              "model_path of a model with its own tokenizer")
     return build_model(as_spec(spec)), build_tokenizer()
 
@@ -92,7 +92,7 @@ def _tiny_model(spec: TinyModelSpec | dict | None, pairs: list[tuple[str, str]])
 def _hf_model(model_path: str):
     from transformers import AutoTokenizer
 
-    from astralight.hf_models import causal_lm_from_pretrained, check_model_path
+    from astralight.trainer.hf_models import causal_lm_from_pretrained, check_model_path
 
     check_model_path(model_path, "model_path")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -152,7 +152,7 @@ def build_sft_policy(out_dir: str | Path, data_path: str | Path, model_path: str
     pairs and save it as a transformers/vLLM model folder at ``out_dir``.
 
     ``model_path``: a Hugging Face causal LM to start from (default: the tiny model, shaped by
-    ``spec``, a dict of :class:`~astralight.tinymodel.TinyModelSpec` fields). ``prompt_key`` /
+    ``spec``, a dict of :class:`~astralight.trainer.tinymodel.TinyModelSpec` fields). ``prompt_key`` /
     ``target_key``: the JSONL fields. ``num_threads``: torch threads while training (None: as
     is; 1 is the safe choice on a loaded two-core machine). ``out_dir`` must not exist or be
     empty; the folder is written aside and renamed into place, with ``warmstart.json``.
@@ -176,7 +176,7 @@ def build_sft_policy(out_dir: str | Path, data_path: str | Path, model_path: str
         torch.set_num_threads(threads_before)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if model_path is None:
-        from astralight.tinymodel import save_model_folder
+        from astralight.trainer.tinymodel import save_model_folder
 
         save_model_folder(model, tokenizer, tmp)
     else:

@@ -40,7 +40,7 @@ from astralight.tasks.arithmetic_warmstart import (
 )
 from astralight.tasks.sft_loop import Progress, sft
 from astralight.tasks.warmstart_folder import as_spec, build_folder, tiny_vocab_size
-from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer
+from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer
 
 #: verifier defaults, chosen by measurement (see the module docstring)
 DEFAULT_VERIFIER_STEPS = 1000

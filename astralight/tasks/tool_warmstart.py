@@ -31,7 +31,7 @@ from astralight.agents.toy_tools import add
 from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.chat_warmstart import build_chat_policy
 from astralight.tasks.sft_loop import Progress
-from astralight.tinymodel import CHAT_MODEL_SPEC
+from astralight.trainer.tinymodel import CHAT_MODEL_SPEC
 
 #: the toy tool task's prompt source arguments (besides split/seed)
 TOOL_SOURCE_KWARGS: dict = {"min_operand": 100, "max_operand": 999, "ops": "+"}

@@ -40,7 +40,7 @@ from astralight.tasks.solver_verifier_warmstart import (
     train_solver_warmstart, train_verifier_warmstart, verdict_accuracy, verifier_examples,
 )
 from astralight.tasks.warmstart_folder import as_spec as _as_spec
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m astralight.tasks.warmstart") -> int:

@@ -4,7 +4,7 @@ Every shipped builder (``build_toy_policy``, ``build_toy_solver``, ``build_toy_v
 ``build_chat_policy``) trains through :func:`build_folder`: the folder is written next to
 ``out_dir`` and renamed into place at the end, so a crash never leaves a half-written folder
 that looks complete, and it holds ``warmstart.json`` (the arguments, for provenance).
-:func:`as_spec` reads a :class:`~astralight.tinymodel.TinyModelSpec` from a YAML recipe's dict.
+:func:`as_spec` reads a :class:`~astralight.trainer.tinymodel.TinyModelSpec` from a YAML recipe's dict.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from astralight.tasks.sft_loop import Progress, print_progress
-from astralight.tinymodel import TinyModelSpec, save_model_folder
+from astralight.trainer.tinymodel import TinyModelSpec, save_model_folder
 
 
 def as_spec(spec: TinyModelSpec | dict | None) -> TinyModelSpec:

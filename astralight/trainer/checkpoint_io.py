@@ -21,7 +21,7 @@ default ``save_distributed_checkpoint=True`` the strategy writes ``last.ckpt`` a
 loops', callbacks' -- publisher, datamodule -- and module's other state), and ``--ckpt_path last``
 restores it, weights and AdamW state sharded (tests/integration/test_fsdp2_fit.py). Lightning
 writes that folder in place (not atomic), so :func:`install` upgrades a plain
-``ModelParallelStrategy`` to :class:`astralight.fsdp2_strategy.FSDP2Strategy`, which writes each
+``ModelParallelStrategy`` to :class:`astralight.trainer.fsdp2_strategy.FSDP2Strategy`, which writes each
 checkpoint into a new folder and swaps a ``last.ckpt`` link to it atomically.
 """
 
@@ -66,13 +66,13 @@ def install(trainer: Any) -> bool:
     """Give ``trainer``'s strategy an :class:`AtomicCheckpointIO` unless a checkpoint IO was
     chosen (``plugins``, or the strategy's own; the plain default ``TorchCheckpointIO`` is
     replaced); returns whether it did. A plain ``ModelParallelStrategy`` also becomes
-    :class:`astralight.fsdp2_strategy.FSDP2Strategy` (atomic distributed checkpoint folders)."""
+    :class:`astralight.trainer.fsdp2_strategy.FSDP2Strategy` (atomic distributed checkpoint folders)."""
     strategy = trainer.strategy
-    from astralight.fsdp2_strategy import upgrade
+    from astralight.trainer.fsdp2_strategy import upgrade
 
     if upgrade(strategy):
         log.info("ModelParallelStrategy: distributed checkpoints are written atomically "
-                 "(astralight.fsdp2_strategy.FSDP2Strategy)")
+                 "(astralight.trainer.fsdp2_strategy.FSDP2Strategy)")
     current = getattr(strategy, "_checkpoint_io", None)
     if current is not None and type(current) is not TorchCheckpointIO:  # a deliberate choice
         return False

@@ -4,7 +4,7 @@
                       [--merge-lora] [--force]
 
 Why: ``astralight fit`` writes Lightning checkpoints -- one file (``last.ckpt``: single device,
-DDP) or, under FSDP2 (:class:`astralight.fsdp2_strategy.FSDP2Strategy`), a
+DDP) or, under FSDP2 (:class:`astralight.trainer.fsdp2_strategy.FSDP2Strategy`), a
 ``torch.distributed.checkpoint`` (DCP) folder reached through a ``last.ckpt`` link, with the
 model and AdamW shards in ``*.distcp`` files and everything else (``hyper_parameters``, loops,
 callbacks) in ``meta.pt``. Neither is something a server or ``from_pretrained`` reads. This
@@ -17,7 +17,7 @@ command turns one into:
   serves);
 * for a LoRA policy, the peft adapter folder (``adapter_config.json`` and
   ``adapter_model.safetensors``, named as ``PeftModel.save_pretrained`` names them, see
-  :mod:`astralight.lora`), or with ``--merge-lora`` the full model with ``W + B @ A * scaling``
+  :mod:`astralight.trainer.lora`), or with ``--merge-lora`` the full model with ``W + B @ A * scaling``
   merged in (float32 arithmetic, then cast).
 
 What it reads. The policy's ``hyper_parameters`` say which base model (``model_path``;
@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from astralight.fsdp2 import tied_aliases
-from astralight.lora import PEFT_PREFIX, LoraSpec
+from astralight.trainer.fsdp2 import tied_aliases
+from astralight.trainer.lora import PEFT_PREFIX, LoraSpec
 
 __all__ = ["DTYPES", "CheckpointState", "ExportError", "ExportResult", "export_checkpoint",
            "main", "parse_dtype", "read_checkpoint"]
@@ -300,7 +300,7 @@ def _meta_model(base: Path):
     """The base config's causal LM on the meta device: names, shapes and tying, no weights."""
     from transformers import AutoConfig
 
-    from astralight.hf_models import causal_lm_on_meta
+    from astralight.trainer.hf_models import causal_lm_on_meta
 
     return causal_lm_on_meta(AutoConfig.from_pretrained(base))
 
@@ -409,7 +409,7 @@ def _write_full(state: dict[str, torch.Tensor], model, base: Path, dest: Path,
                           f"{exc}") from exc
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # lm_head shares the embedding again, as from_pretrained does
-    from astralight.hf_models import tie_if_configured
+    from astralight.trainer.hf_models import tie_if_configured
 
     tie_if_configured(model)  # (if transformers' tying is off in this process)
     on_meta = [n for n, p in model.named_parameters() if p.is_meta]
@@ -432,7 +432,7 @@ def _write_adapter(state: dict[str, torch.Tensor], peft_model, base: Path, dest:
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file
 
-    from astralight.lora import adapter_config, adapter_state_dict
+    from astralight.trainer.lora import adapter_config, adapter_state_dict
 
     tensors = {k: v.detach().to(dtype).contiguous()
                for k, v in adapter_state_dict(peft_model, state).items()}
@@ -479,7 +479,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike,
     kind = "full" if spec is None else ("merged" if merge_lora else "adapter")
     model = _meta_model(base)
     if spec is not None:
-        from astralight.lora import wrap_model
+        from astralight.trainer.lora import wrap_model
 
         model = wrap_model(model, spec)
     expected = dict(model.state_dict())
@@ -509,7 +509,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike,
             state = source.state
             target = model
             if kind == "merged":
-                from astralight.lora import merged_state_dict
+                from astralight.trainer.lora import merged_state_dict
 
                 state = merged_state_dict(model, state)
                 target = _meta_model(base)

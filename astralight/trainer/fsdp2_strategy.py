@@ -26,9 +26,9 @@ one), never at a partial folder. Lightning loads through the link like any folde
 Defaults suit a data-parallel FSDP2 policy: ``data_parallel_size="auto"`` (every GPU of the
 trainer), ``tensor_parallel_size=1`` (astralight's policies do not implement tensor
 parallelism). With ``save_distributed_checkpoint=False`` the strategy writes one file and
-:class:`astralight.checkpoint_io.AtomicCheckpointIO` makes that atomic as for unsharded trainers.
+:class:`astralight.trainer.checkpoint_io.AtomicCheckpointIO` makes that atomic as for unsharded trainers.
 
-``astralight fit`` (:func:`astralight.checkpoint_io.install`) upgrades a plain
+``astralight fit`` (:func:`astralight.trainer.checkpoint_io.install`) upgrades a plain
 ``ModelParallelStrategy`` to this class in place: it adds no state of its own, only the two
 checkpoint methods.
 """

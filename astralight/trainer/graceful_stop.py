@@ -30,7 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-log = logging.getLogger("astralight.graceful_stop")
+log = logging.getLogger("astralight.trainer.graceful_stop")
 
 
 class GracefulStop(pl.Callback):

@@ -155,7 +155,7 @@ def build_model(spec: TinyModelSpec | None = None):
         rope_theta=10000.0,
         torch_dtype="float32",
     )
-    from astralight.hf_models import MODEL_LOCK, tie_if_configured
+    from astralight.trainer.hf_models import MODEL_LOCK, tie_if_configured
 
     with MODEL_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)

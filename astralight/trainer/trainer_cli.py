@@ -43,9 +43,9 @@ launcher passes ``--ckpt_path`` when it restarts a trainer or resumes a run.
 
 SIGTERM ends the fit as if ``max_steps`` were reached -- the last checkpoint saved at that step,
 the last version published -- rather than on Lightning's exception path
-(:mod:`astralight.graceful_stop`): the launcher stops a run early that way.
+(:mod:`astralight.trainer.graceful_stop`): the launcher stops a run early that way.
 
-Checkpoints are written atomically (:class:`astralight.checkpoint_io.AtomicCheckpointIO`: temp
+Checkpoints are written atomically (:class:`astralight.trainer.checkpoint_io.AtomicCheckpointIO`: temp
 file in the checkpoint folder, fsync, rename) unless the config chooses a checkpoint IO plugin.
 """
 
@@ -59,8 +59,8 @@ from lightning.pytorch.cli import LightningCLI
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from astralight.checkpoint_io import install as install_atomic_checkpoints
-from astralight.graceful_stop import install as install_graceful_stop
+from astralight.trainer.checkpoint_io import install as install_atomic_checkpoints
+from astralight.trainer.graceful_stop import install as install_graceful_stop
 from astralight.policy import RLPolicy
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class AstralightCLI(LightningCLI):
     def _check_model_path(self, config) -> None:
         """A local ``model.init_args.model_path`` that does not exist is a usage error (exit 2
         naming the key), not a Hugging Face hub error from deep inside the model's build."""
-        from astralight.hf_models import check_model_path
+        from astralight.trainer.hf_models import check_model_path
 
         init_args = _init_args(config.get("model"))
         path = getattr(init_args, "model_path", None) if init_args is not None else None
@@ -177,7 +177,7 @@ class AstralightCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         install_atomic_checkpoints(trainer)
-        install_graceful_stop(trainer)  # SIGTERM: finish as at max_steps (astralight.graceful_stop)
+        install_graceful_stop(trainer)  # SIGTERM: finish as at max_steps (astralight.trainer.graceful_stop)
         for logger in trainer.loggers:
             # Lightning's default logger (no trainer.logger in the config) is a TensorBoardLogger
             # built without the config: the same hp_metric switch, on its attribute

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from astralight.fsdp2 import tied_aliases
+from astralight.trainer.fsdp2 import tied_aliases
 
 
 def is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -110,7 +110,7 @@ def publish_state(trainer: pl.Trainer, pl_module: pl.LightningModule,
             return None
         state = inner.state_dict()
     if is_peft(inner) and getattr(pl_module, "lora_publish", None) == "merged":
-        from astralight.lora import merged_state_dict
+        from astralight.trainer.lora import merged_state_dict
 
         state = merged_state_dict(inner, state)  # W + B @ A * scaling, under the base names
     elif is_peft(inner):

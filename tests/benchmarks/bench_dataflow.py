@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from astralight.dataflow.client import DataflowClient
-from astralight.proc import stop_process
+from astralight.launch.proc import stop_process
 from astralight.protocol import Sample
 
 #: the ingest arms: name -> (tasks per request, group_commit setting; None: do not set it)

@@ -7,10 +7,10 @@ versus when only rank zero reads it and broadcasts the shards.
 Why: before, every FSDP2 rank loaded the full float32 model from disk (a 14B policy on 8 GPUs of
 one machine: 8 x 56 GB of host memory) and only then sharded it. Now rank zero reads the weights
 and the other ranks build the model on the meta device and receive their shards
-(:func:`astralight.fsdp2.shard_from_rank0`). This script builds a random Qwen3 model folder of
+(:func:`astralight.trainer.fsdp2.shard_from_rank0`). This script builds a random Qwen3 model folder of
 the chosen shape, then runs ``--ranks`` gloo ranks on CPU twice in the same invocation:
 ``every_rank_reads`` (the baseline: :func:`astralight.policy.load_causal_lm` on every rank, then
-:func:`astralight.fsdp2.shard`) and ``rank0_broadcast`` (the shipped path: ``load_causal_lm`` on
+:func:`astralight.trainer.fsdp2.shard`) and ``rank0_broadcast`` (the shipped path: ``load_causal_lm`` on
 rank zero, ``empty_causal_lm`` elsewhere, then ``shard_from_rank0``). Each rank reports its peak
 resident memory above what it held before building the model, and the build + shard seconds;
 both ways' sharded weights are compared (sha256 of every local shard) so the figures are of two
@@ -62,7 +62,7 @@ def run_rank(way: str, model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from astralight import fsdp2
+    from astralight.trainer import fsdp2
     from astralight.policy import empty_causal_lm, load_causal_lm
 
     dist.init_process_group("gloo")
@@ -96,7 +96,7 @@ def _build_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64,

@@ -86,7 +86,7 @@ import numpy as np
 
 from astralight.dataflow import auth
 from astralight.dataflow.auth import trainer_token
-from astralight.proc import stop_process
+from astralight.launch.proc import stop_process
 from astralight.protocol import LOGPROB_FLOOR, MAX_VOCAB_SIZE, Sample, WeightManifest, encode
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -1626,7 +1626,7 @@ def openai_drill(rng: random.Random, n: int, huge: int = OPENAI_HUGE_CONVERSATIO
 
     from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
     from astralight.raas.openai_requests import MAX_BODY_BYTES
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
     from tests.unit.engine_fakes import PromptScriptEngine
 
     counts: Counter = Counter()

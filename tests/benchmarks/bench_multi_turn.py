@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     from astralight.engine import SamplingSpec
     from astralight.protocol import Task
     from astralight.raas.vllm_engine import VLLMEngine
-    from astralight.tinymodel import build_tiny_model_folder
+    from astralight.trainer.tinymodel import build_tiny_model_folder
     from astralight.workflows.multi_turn import MultiTurnWorkflow
 
     turns, lat = latency_table(args.episodes, args.max_turns, args.median_ms, args.sigma,

@@ -106,7 +106,7 @@ def toy_batches(model_dir: str, n_batches: int, prompts: int, group: int, seed: 
     from astralight.rl.advantages import group_normalized_advantages
     from astralight.rl.logprobs import causal_lm_logprobs
     from astralight.tasks.arithmetic import ArithmeticSource
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -200,7 +200,7 @@ def one_fit(args, model_dir, pool, publisher, workdir, tag):
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from astralight.callbacks import WeightPublisher
-    from astralight.tinymodel import build_tiny_model_folder
+    from astralight.trainer.tinymodel import build_tiny_model_folder
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_publish_"))
     model_dir = args.model_dir or str(build_tiny_model_folder(workdir / "model"))

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     from astralight.engine import SamplingSpec
     from astralight.raas.vllm_engine import VLLMEngine
-    from astralight.tinymodel import TinyModelSpec, build_model, build_tiny_model_folder
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tiny_model_folder
 
     shape = TinyModelSpec(max_position_embeddings=512, seed=3)
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ Both arms run ``astralight run`` on the toy recipe (the real launcher, dataflow,
 trainer), from one warm start built once and copied into each run folder (so no arm pays the
 prepare step), for ``--versions`` versions, alternating arm order per repeat:
 
-- ``new``: the launcher as shipped: the RaaS and trainer prewarmed (:mod:`astralight.prewarm`),
+- ``new``: the launcher as shipped: the RaaS and trainer prewarmed (:mod:`astralight.launch.prewarm`),
   the recipe's ``kv_cache_memory_bytes`` (256 MiB) as the engine's KV cache;
 - ``no_prewarm``: ``ASTRALIGHT_PREWARM=0``: every component imports after the check;
 - ``baseline``: ``ASTRALIGHT_PREWARM=0`` and ``kv_cache_memory_bytes: 1073741824``, what the

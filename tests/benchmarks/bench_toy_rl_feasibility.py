@@ -51,7 +51,7 @@ from astralight.tasks.warmstart import (
     DEFAULT_BATCH_SIZE, DEFAULT_LABEL_SMOOTHING, DEFAULT_LR, DEFAULT_SFT_STEPS, DEFAULT_SOURCE_KWARGS, PAD_ID,
     heldout_accuracy, sample_completions, train_warmstart,
 )
-from astralight.tinymodel import TinyModelSpec, build_tokenizer, save_model_folder
+from astralight.trainer.tinymodel import TinyModelSpec, build_tokenizer, save_model_folder
 
 
 def completion_batch(prompt_ids: list[list[int]], completions: list[list[int]]):

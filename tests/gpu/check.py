@@ -92,7 +92,7 @@ def say(msg: str) -> None:
 
 def build_model_folder(name: str, path: Path, seed: int = 0) -> Path:
     """A random-initialised Qwen3 folder of ``name``'s real shape (or the tiny model)."""
-    from astralight.tinymodel import build_tiny_model_folder, build_tokenizer
+    from astralight.trainer.tinymodel import build_tiny_model_folder, build_tokenizer
 
     if name == "tiny":
         return build_tiny_model_folder(path)
@@ -155,7 +155,7 @@ def start_dataflow(workdir: Path, timeout_s: float = 120.0):
 
 
 def stop(proc) -> None:
-    from astralight.proc import stop_process
+    from astralight.launch.proc import stop_process
 
     stop_process(proc)
 
@@ -527,7 +527,7 @@ def fit(folder: Path, url: str, batches: list[dict], prof: dict, device: str, se
 
     strategy = settings["strategy"]
     if strategy in ("fsdp2", "fsdp"):  # FSDP2; "fsdp" kept as an alias (FSDP1 is refused)
-        from astralight.fsdp2_strategy import FSDP2Strategy
+        from astralight.trainer.fsdp2_strategy import FSDP2Strategy
 
         strategy = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1)
     publisher = WeightPublisher(dataflow_url=url, every_n_steps=1, full_every=10)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pytest
 import yaml
 
-from astralight.proc import stop_process
+from astralight.launch.proc import stop_process
 from tests.conftest import free_port
 
 READY_LINE = "dataflow serving on http://"

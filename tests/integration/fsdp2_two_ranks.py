@@ -47,7 +47,7 @@ def main(model_dir: str, out_dir: str, lora: bool) -> None:
 
     from astralight.callbacks import WeightPublisher
     from astralight.datamodules import collate_batch
-    from astralight.fsdp2_strategy import FSDP2Strategy
+    from astralight.trainer.fsdp2_strategy import FSDP2Strategy
     from astralight.policy import M2POPolicy
     from astralight.weights import WeightState
     from tests.fakes import FakeDataflowClient

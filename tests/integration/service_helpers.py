@@ -54,14 +54,14 @@ def model_stats(client: DataflowClient, model_id: str = "policy") -> dict:
 
 
 def fake_raas(url: str, model_dir, stop: threading.Event, errors: list) -> None:
-    from astralight.hf_models import causal_lm_from_pretrained
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.hf_models import causal_lm_from_pretrained
+    from astralight.trainer.tinymodel import build_tokenizer
 
     try:
         tok = build_tokenizer()
         # this thread loads while the test's Trainer.fit loads the policy: both under the lock
         # (overlapping from_pretrained calls can switch transformers' weight tying off for the
-        # whole process, see astralight.hf_models)
+        # whole process, see astralight.trainer.hf_models)
         model = causal_lm_from_pretrained(model_dir, dtype=torch.float32).eval()
         rng = np.random.default_rng(0)
         client = DataflowClient(url)

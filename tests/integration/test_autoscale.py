@@ -49,7 +49,7 @@ class FakeTrainer:
     version (the same weights: what matters here is the version count and the timings)."""
 
     def __init__(self, client: DataflowClient):
-        from astralight.tinymodel import TinyModelSpec, build_model
+        from astralight.trainer.tinymodel import TinyModelSpec, build_model
 
         self.client = client
         self.builder = ArtifactBuilder("policy", full_every=0)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from astralight.dataflow.client import DataflowClient
-from astralight.proc import PDEATHSIG_SUPPORTED
+from astralight.launch.proc import PDEATHSIG_SUPPORTED
 from tests.proc_helpers import gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from astralight.protocol import Sample
 from astralight.raas.config import RaaSConfig
 from astralight.raas.service import RaaSService
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.weights.artifacts import ArtifactBuilder
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.conftest import free_port

@@ -25,9 +25,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from astralight.checkpoint_io import install
+from astralight.trainer.checkpoint_io import install
 from astralight.cli import main as cli_main
-from astralight.export import ExportError, export_checkpoint, read_checkpoint
+from astralight.trainer.export import ExportError, export_checkpoint, read_checkpoint
 from astralight.policy import M2POPolicy
 from tests.integration.fsdp2_helpers import _full_state, _identity
 
@@ -121,8 +121,8 @@ def test_fsdp2_folder_exports_without_reading_the_optimizer(batches, tmp_path, c
     from safetensors import safe_open
     from torch.distributed.checkpoint import FileSystemReader
 
-    from astralight.fsdp2_strategy import FSDP2Strategy
-    from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
+    from astralight.trainer.fsdp2_strategy import FSDP2Strategy
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
 
     tied_dir = save_model_folder(build_model(TinyModelSpec(tie_word_embeddings=True)),
                                  build_tokenizer(), tmp_path / "tied")

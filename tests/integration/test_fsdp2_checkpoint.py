@@ -1,4 +1,4 @@
-"""Atomic distributed checkpoints under FSDP2 (:mod:`astralight.fsdp2_strategy`).
+"""Atomic distributed checkpoints under FSDP2 (:mod:`astralight.trainer.fsdp2_strategy`).
 
 Lightning's ``ModelParallelStrategy`` writes ``last.ckpt/`` in place; ``FSDP2Strategy`` writes a
 new folder and swaps a ``last.ckpt`` link to it. Checked with real ``Trainer.fit`` runs of the
@@ -18,8 +18,8 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from astralight.checkpoint_io import install
-from astralight.fsdp2_strategy import FOLDER_INFIX, FSDP2Strategy, point_link
+from astralight.trainer.checkpoint_io import install
+from astralight.trainer.fsdp2_strategy import FOLDER_INFIX, FSDP2Strategy, point_link
 from astralight.policy import M2POPolicy
 from tests.integration.fsdp2_helpers import _identity
 

@@ -128,7 +128,7 @@ def _published(model_dir, batches, strategy, **kwargs):
 
 @pytest.mark.parametrize("variant", ["tied", "lora_adapter", "lora_merged"])
 def test_publisher_under_fsdp2_sends_what_unsharded_sends(tmp_path, variant, clean_dist):
-    from astralight.tinymodel import (
+    from astralight.trainer.tinymodel import (
         TinyModelSpec,
         build_model,
         build_tokenizer,
@@ -170,7 +170,7 @@ def test_publisher_under_fsdp2_sends_what_unsharded_sends(tmp_path, variant, cle
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
     """The tiny model with tied input/output embeddings (as Qwen3-0.6B and 1.7B have)."""
-    from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
 
     return save_model_folder(build_model(TinyModelSpec(tie_word_embeddings=True)),
                              build_tokenizer(), tmp_path_factory.mktemp("tied") / "model")
@@ -288,7 +288,7 @@ def test_fsdp1_strategy_is_refused_with_the_fix(tiny_model_dir):
 
 
 def test_tensor_parallel_is_refused():
-    from astralight.fsdp2 import data_parallel_mesh
+    from astralight.trainer.fsdp2 import data_parallel_mesh
 
     class Mesh:  # what ModelParallelStrategy(tensor_parallel_size=2) gives the module
         mesh_dim_names = ("data_parallel", "tensor_parallel")
@@ -323,7 +323,7 @@ def test_checkpoint_folder_saves_and_resumes_under_fsdp2(tiny_model_dir, tmp_pat
     (its first version after the resume is full) and the datamodule's."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from astralight.checkpoint_io import install
+    from astralight.trainer.checkpoint_io import install
     from astralight.datamodules import RolloutDataModule
 
     fake = FakeDataflowClient(tiny_model_dir)

@@ -46,7 +46,7 @@ CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from astralight.tinymodel import build_chat_model, build_chat_tokenizer, save_model_folder
+    from astralight.trainer.tinymodel import build_chat_model, build_chat_tokenizer, save_model_folder
 
     tok = build_chat_tokenizer()
     assert tok.chat_template.endswith(OPEN)
@@ -78,7 +78,7 @@ def reference(model_dir):
     """The model's own next-token log-probs (transformers, float32) after ``ids``."""
     import torch
 
-    from astralight.hf_models import causal_lm_from_pretrained
+    from astralight.trainer.hf_models import causal_lm_from_pretrained
 
     model = causal_lm_from_pretrained(str(model_dir), dtype=torch.float32).eval()
 

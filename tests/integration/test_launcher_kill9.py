@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from astralight.launch import running_components
-from astralight.proc import PDEATHSIG_SUPPORTED
+from astralight.launch.proc import PDEATHSIG_SUPPORTED
 from tests.integration.recipes import shortened_toy_recipe
 from tests.proc_helpers import gone, kill_quietly, wait_for
 

@@ -30,7 +30,7 @@ import torch
 
 from astralight.dataflow.client import DataflowClient
 from astralight.engine import SamplingSpec
-from astralight.lora import LoraSpec, adapter_config, adapter_state_dict, merged_state_dict, wrap_model
+from astralight.trainer.lora import LoraSpec, adapter_config, adapter_state_dict, merged_state_dict, wrap_model
 from astralight.raas.weight_sync import WeightSync
 from astralight.weights import ArtifactBuilder
 

@@ -29,7 +29,7 @@ def _engine_config(kind, model_dir):
 
 
 def _state(seed, sharpen=4.0):
-    from astralight.tinymodel import TinyModelSpec, build_model
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model
 
     sd = {k: v.detach().clone() for k, v in build_model(TinyModelSpec(seed=seed)).state_dict().items()}
     sd["lm_head.weight"] *= sharpen

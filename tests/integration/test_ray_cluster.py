@@ -89,16 +89,30 @@ def test_readme_ray_start_and_stop_lines(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def _start_cluster(attempts: int = 3):
+    """The three nodes. Ray gives a raylet a fixed 30 s to register (``ray/_private/node.py``),
+    which a heavily loaded machine can miss: the cluster is then started afresh, up to
+    ``attempts`` times (the start-up only; nothing the tests assert)."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, attempts + 1):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=2, num_gpus=0, include_dashboard=False)  # the head
+            workers = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+            c.wait_for_nodes()
+            return c, workers
+        except Exception:
+            c.shutdown()
+            if attempt == attempts:
+                raise
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Three Ray nodes on this machine: a head without GPUs (the launcher's node: the dataflow),
     two workers with 2 CPUs and 2 fake GPUs each. This process is its driver (``ray.kill``)."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True,
-                head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    c.wait_for_nodes()
+    c, workers = _start_cluster()
     ray.init(address=c.address, namespace="astralight", log_to_driver=False)
     try:
         yield c, [w.node_id for w in workers]

@@ -101,7 +101,7 @@ def _sample(tok, task_id, index, model_id, prompt, turns, reward, version, metad
 def build_run(run: Path) -> int:
     """A finished run folder of a calculator agent (two policies, versions 0 and 1); returns
     how many samples it holds."""
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
 
     tok = build_chat_tokenizer()
     tok.save_pretrained(str(run / "models" / "init"))

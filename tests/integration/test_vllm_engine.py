@@ -39,7 +39,7 @@ def engine(tiny_model_dir):
 
 
 def _state_dict(seed: int, sharpen: float = 1.0):
-    from astralight.tinymodel import TinyModelSpec, build_model
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model
 
     sd = {k: v.detach().clone() for k, v in build_model(TinyModelSpec(seed=seed)).state_dict().items()}
     sd["lm_head.weight"] *= sharpen  # a peakier distribution: greedy decoding is unambiguous

@@ -59,7 +59,7 @@ def engine(vllm_engine, tiny_model_dir):
 
 
 def _state(seed: int, sharpen: float = 4.0) -> dict[str, torch.Tensor]:
-    from astralight.tinymodel import TinyModelSpec, build_model
+    from astralight.trainer.tinymodel import TinyModelSpec, build_model
 
     sd = {k: v.detach().clone() for k, v in build_model(TinyModelSpec(seed=seed)).state_dict().items()}
     sd["lm_head.weight"] *= sharpen  # peakier: log-probs react visibly to weight changes

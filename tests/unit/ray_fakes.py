@@ -60,7 +60,7 @@ class FakeActor:
 
 
 class FakeRay:
-    """The parts of the ``ray`` module :class:`~astralight.ray_process.RayProcess` uses."""
+    """The parts of the ``ray`` module :class:`~astralight.launch.ray_process.RayProcess` uses."""
 
     exceptions = SimpleNamespace(RayActorError=ActorDied, GetTimeoutError=GetTimeout)
 

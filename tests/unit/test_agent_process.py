@@ -28,7 +28,7 @@ import pytest
 from astralight.protocol import Task
 from astralight.raas.openai_endpoint import OpenAIEndpoint
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.agent_process import RUNNER, ProcessAgentWorkflow
 from astralight.workflows.base import BrokenWorkflowError, TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow

@@ -119,7 +119,7 @@ def test_wrong_commands_earn_nothing_and_are_counted():
 def test_a_chat_episode_on_the_fixture():
     _playable()
     from astralight.engine import SamplingSpec
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
     from astralight.workflows.chat_env import ChatEnvWorkflow
     from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 

@@ -12,7 +12,7 @@ import pytest
 from astralight.agents.chat import encode, render
 from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.chat_env import ChatEnvWorkflow, action_text
 from astralight.workflows.multi_turn import Environment
 from tests.unit.engine_fakes import ScriptedEngine, run_tasks

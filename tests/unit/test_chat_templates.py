@@ -13,7 +13,7 @@ from astralight.agents.tools import Tool, parse_tool_calls
 from astralight.protocol import Task
 from astralight.rewards.math import MathVerifyReward
 from astralight.tasks.word_problems import WordProblemSource
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.tool_agent import ToolAgentWorkflow
 from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 

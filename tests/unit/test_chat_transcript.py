@@ -6,7 +6,7 @@ import pytest
 
 from astralight.agents.chat import ChatTranscript, TemplateError, encode, render
 from astralight.engine import Completion
-from astralight.tinymodel import build_chat_tokenizer, build_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.",
                                             "parameters": {"type": "object", "properties": {}}}}]

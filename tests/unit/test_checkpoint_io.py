@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from astralight.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes, install
+from astralight.trainer.checkpoint_io import AtomicCheckpointIO, atomic_write_bytes, install
 
 
 def test_save_writes_through_a_temp_in_the_same_folder(tmp_path, monkeypatch):
@@ -51,7 +51,7 @@ def test_a_writer_killed_mid_save_leaves_a_loadable_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
     script = textwrap.dedent(f"""
         import torch
-        from astralight.checkpoint_io import AtomicCheckpointIO
+        from astralight.trainer.checkpoint_io import AtomicCheckpointIO
         io = AtomicCheckpointIO()
         i = 0
         while True:
@@ -91,7 +91,7 @@ def test_install_replaces_only_the_default(tmp_path):
 
 def test_astralight_fit_trainers_write_atomically(tmp_path):
     """The CLI installs it: `astralight fit` (here without running fit) has the atomic IO."""
-    from astralight.trainer_cli import AstralightCLI
+    from astralight.trainer.trainer_cli import AstralightCLI
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):

@@ -3,7 +3,7 @@ torchcodec beside the CPU torch, and the first import of one (torchmetrics, unde
 imports torchvision) fails deep inside it. ``astralight`` turns that into one line with the fix
 and exit status 2, and leaves every other failure alone.
 
-The failing imports are simulated: an import hook makes ``astralight.trainer_cli`` (what ``fit``
+The failing imports are simulated: an import hook makes ``astralight.trainer.trainer_cli`` (what ``fit``
 imports first) raise the error a broken torchvision raises, or import a stand-in package that
 fails the way a build linked against missing CUDA libraries does."""
 
@@ -37,7 +37,7 @@ class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.fail()
 
 
-def _hook(monkeypatch, fail, name="astralight.trainer_cli"):
+def _hook(monkeypatch, fail, name="astralight.trainer.trainer_cli"):
     monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(sys, "meta_path", [_FailingImport(name, fail), *sys.meta_path])
 

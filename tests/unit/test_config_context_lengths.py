@@ -66,7 +66,7 @@ def _max_prompt_tokens(raas_path: Path) -> int:
     from astralight.dataflow.config import instantiate_plugin
     from astralight.tasks.arithmetic import ArithmeticSource
     from astralight.tasks.base import PromptSource
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     dataflows = sorted(raas_path.parent.glob("dataflow*.yaml"))
     assert dataflows, f"{raas_path}: no dataflow*.yaml beside it to bound the prompt length"

@@ -48,7 +48,7 @@ def test_a_missing_local_model_folder_is_named_for_the_raas(tmp_path):
 
 
 def test_a_missing_local_model_folder_is_named_for_the_trainer(capsys):
-    from astralight.trainer_cli import main
+    from astralight.trainer.trainer_cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--config", str(ROOT / "configs" / "toy" / "trainer.yaml"),
@@ -68,7 +68,7 @@ def test_a_missing_local_model_folder_is_named_for_the_trainer(capsys):
 
 def test_an_abbreviated_trainer_option_is_refused_not_expanded(capsys):
     """``--trainer.max_step`` is a typo, not ``--trainer.max_steps`` (argparse would expand it)."""
-    from astralight.trainer_cli import main
+    from astralight.trainer.trainer_cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--config", str(ROOT / "configs" / "toy" / "trainer.yaml"),

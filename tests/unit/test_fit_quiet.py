@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from astralight.trainer_cli import QUIET_INFO, QUIET_WARNINGS, quiet_lightning_noise
+from astralight.trainer.trainer_cli import QUIET_INFO, QUIET_WARNINGS, quiet_lightning_noise
 
 
 def test_the_noise_is_silenced_and_other_warnings_stay(caplog):

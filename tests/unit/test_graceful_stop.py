@@ -1,4 +1,4 @@
-"""SIGTERM during ``Trainer.fit``: with :class:`astralight.graceful_stop.GracefulStop` the fit ends
+"""SIGTERM during ``Trainer.fit``: with :class:`astralight.trainer.graceful_stop.GracefulStop` the fit ends
 as at ``max_steps`` (the last checkpoint at the step it stopped, ``on_fit_end`` run); without it,
 Lightning's own handling ends it on its exception path, with only the older periodic checkpoint.
 A real Lightning trainer on a tiny model and a plain DataLoader (no dataflow)."""
@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from astralight.graceful_stop import GracefulStop, install
+from astralight.trainer.graceful_stop import GracefulStop, install
 
 
 class Tiny(pl.LightningModule):

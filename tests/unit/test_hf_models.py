@@ -1,4 +1,4 @@
-"""astralight.hf_models: a model whose config ties its embeddings is tied even when transformers'
+"""astralight.trainer.hf_models: a model whose config ties its embeddings is tied even when transformers'
 tying is off in the process (as overlapping ``from_pretrained`` calls in two threads leave it),
 and astralight's own loads never overlap."""
 
@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.modeling_utils import PreTrainedModel
 
-from astralight.hf_models import MODEL_LOCK, tie_if_configured
+from astralight.trainer.hf_models import MODEL_LOCK, tie_if_configured
 from astralight.policy import empty_causal_lm, load_causal_lm
-from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
+from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer, save_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ def test_the_raas_registers_its_engines_limits():
     from astralight.engine import SamplingSpec
     from astralight.raas.service import RaaSService
     from astralight.rewards.toy import ExactMatchReward
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
     from astralight.workflows.single_turn import SingleTurnWorkflow
     from tests.unit.engine_fakes import ScriptedEngine
     from tests.fakes import FakeDataflow

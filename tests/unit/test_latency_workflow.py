@@ -12,7 +12,7 @@ import pytest
 
 from astralight.engine import SamplingSpec
 from astralight.protocol import Task
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows import latency
 from astralight.workflows.base import Workflow
 from astralight.workflows.latency import LongTailLatency

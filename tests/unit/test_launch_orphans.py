@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from astralight.proc import PDEATHSIG_SUPPORTED
+from astralight.launch.proc import PDEATHSIG_SUPPORTED
 from tests.proc_helpers import gone, kill_quietly, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

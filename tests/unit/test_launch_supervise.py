@@ -18,7 +18,7 @@ from astralight.launch import (
     write_pids,
 )
 from astralight.launch.recipe import RecipeError, supervise_settings_checked
-from astralight.supervise import (
+from astralight.launch.supervise import (
     SUPERVISE_DEFAULTS,
     GiveUp,
     Supervisor,

@@ -1,4 +1,4 @@
-"""LoRA (astralight.lora and the RaaS adapter path without vLLM): the config keys, peft wrapping
+"""LoRA (astralight.trainer.lora and the RaaS adapter path without vLLM): the config keys, peft wrapping
 with target modules / rank / alpha, only adapter parameters training, adapter names in the PEFT
 on-disk format, merged weights = base + B @ A * alpha / r, bit-exact adapter deltas, the PEFT
 folder the vLLM engine writes, and how the weight sync hands adapter versions to an engine."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astralight.lora import (
+from astralight.trainer.lora import (
     DEFAULT_TARGET_MODULES,
     LoraSpec,
     adapter_config,
@@ -21,7 +21,7 @@ from astralight.lora import (
     merged_state_dict,
     wrap_model,
 )
-from astralight.tinymodel import TinyModelSpec, build_model
+from astralight.trainer.tinymodel import TinyModelSpec, build_model
 from astralight.weights import ArtifactBuilder, WeightState, to_bf16_bits
 from astralight.weights.delta import apply_delta, encode_delta
 

@@ -13,7 +13,7 @@ import pytest
 
 from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows.multi_turn import ArithmeticHintEnv, Environment, MultiTurnWorkflow
 from tests.unit.engine_fakes import TurnScriptEngine, run_tasks
 

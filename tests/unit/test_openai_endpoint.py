@@ -25,7 +25,7 @@ from astralight.agents.chat import encode, render
 from astralight.protocol import Task
 from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.base import TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow, merge_calls
 from tests.unit.engine_fakes import PromptScriptEngine, in_episode, run_tasks
@@ -240,7 +240,7 @@ def test_metadata_fields_change_nothing_and_template_kwargs_reach_the_template(e
     """Metadata-only fields are accepted and change nothing; ``chat_template_kwargs`` (vLLM's
     extra: Qwen3's ``enable_thinking``) and an assistant turn's ``reasoning_content`` are
     rendered, so the record holds the prompt the model saw; ``GET /models/{id}`` answers."""
-    from astralight.tinymodel import CHAT_TEMPLATE
+    from astralight.trainer.tinymodel import CHAT_TEMPLATE
 
     tok = build_chat_tokenizer()
     tok.chat_template = (  # Qwen3's two template features, on the tiny chat template

@@ -23,7 +23,7 @@ from astralight.engine import ConstraintError, SamplingSpec
 from astralight.raas.openai_completions import request_constraint, tool_calls_format
 from astralight.raas.openai_endpoint import OpenAIEndpoint
 from astralight.raas.openai_requests import RequestError, parse_request
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from tests.unit.engine_fakes import ConstrainedScriptEngine, PromptScriptEngine, in_episode
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -1,4 +1,4 @@
-"""Prewarmed component processes (astralight.prewarm): real child processes, cheap commands.
+"""Prewarmed component processes (astralight.launch.prewarm): real child processes, cheap commands.
 
 What must hold: a prewarmed process becomes exactly the component it is handed (run as
 ``__main__``, its environment with the tokens sent only at hand-off, its output in the
@@ -19,7 +19,7 @@ import yaml
 
 from astralight.launch import Component
 from astralight.launch.components import VLLM_IMPORTS, prewarm_plan
-from astralight.prewarm import PrewarmPool, enabled, without_tokens
+from astralight.launch.prewarm import PrewarmPool, enabled, without_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 PRINT_ENV = ("import os, sys; print('token', os.environ.get('ASTRALIGHT_TOKEN'), 'x', "
@@ -129,7 +129,7 @@ def test_prewarm_plan_of_the_toy_recipe():
     raas_imports, trainer_imports = plan[0][1], plan[1][1]
     assert "astralight.raas.service" in raas_imports
     assert all(m in raas_imports for m in VLLM_IMPORTS)  # the default engine is vLLM
-    assert "astralight.trainer_cli" in trainer_imports
+    assert "astralight.trainer.trainer_cli" in trainer_imports
     model = recipe["trainers"][0]["model"]["class_path"].rpartition(".")[0]
     assert model in trainer_imports
     assert [sig for _, _, sig in plan] == [signal.SIGTERM, signal.SIGINT]
@@ -140,7 +140,7 @@ def test_prewarm_plan_of_other_engines_and_an_autoscaled_pool():
               "trainers": [{"model": {"class_path": "{placeholder}"}}]}
     plan = prewarm_plan(recipe)
     assert plan[0][1] == ["astralight.raas.service", "astralight.raas.hf_engine"]  # no vLLM
-    assert plan[1][1] == ["astralight.trainer_cli", "transformers.models.auto.modeling_auto"]
+    assert plan[1][1] == ["astralight.trainer.trainer_cli", "transformers.models.auto.modeling_auto"]
     recipe["autoscale"] = {"min_instances": 1}
     assert [kind for kind, _, _ in prewarm_plan(recipe)] == ["trainer"]
 
@@ -162,7 +162,7 @@ def _prewarmed_for(run_dir: Path) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"astralight.prewarm" in cmdline and str(run_dir).encode() in cmdline:
+        if b"astralight.launch.prewarm" in cmdline and str(run_dir).encode() in cmdline:
             out.append(int(entry.name))
     return out
 

@@ -1,4 +1,4 @@
-"""astralight.proc: children spawned through it die with their parent, even a SIGKILLed one.
+"""astralight.launch.proc: children spawned through it die with their parent, even a SIGKILLed one.
 
 Real processes: an intermediate Python process spawns a sleeper and is then SIGKILLed; the sleeper
 must be gone within a generous deadline (no speed assert). The control (``die_with_parent=False``)
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from astralight.proc import ORPHANED_AT_START, PDEATHSIG_SUPPORTED, child_setup, spawn
+from astralight.launch.proc import ORPHANED_AT_START, PDEATHSIG_SUPPORTED, child_setup, spawn
 from tests.proc_helpers import gone, kill_quietly, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,13 +28,13 @@ SLEEPER = "import time\nwhile True: time.sleep(0.1)\n"
 
 
 def start_intermediate(tmp_path: Path, die_with_parent: bool) -> tuple[subprocess.Popen, int]:
-    """A parent process that spawns a sleeper through astralight.proc and prints its pid."""
+    """A parent process that spawns a sleeper through astralight.launch.proc and prints its pid."""
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     middle = tmp_path / "middle.py"
     middle.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from astralight.proc import spawn
+        from astralight.launch.proc import spawn
         child = spawn([sys.executable, {str(tmp_path / 'sleeper.py')!r}],
                       die_with_parent={die_with_parent!r})
         print(child.pid, flush=True)

@@ -4,7 +4,7 @@ prompt text)."""
 
 from __future__ import annotations
 
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows.base import tokenize_prompt
 
 

@@ -265,7 +265,7 @@ def test_dedupe_on_json_rows(tmp_path):
 @pytest.fixture(scope="module")
 def chat_tokenizer_dir(tmp_path_factory):
     """The tiny char-level tokenizer with a minimal chat template, saved to a folder."""
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     # only characters of the tiny vocabulary

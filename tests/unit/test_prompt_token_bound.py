@@ -16,7 +16,7 @@ import pytest
 
 from astralight.agents.chat import encode
 from astralight.agents.token_bound import fewest_tokens, max_chars_per_token
-from astralight.tinymodel import build_chat_tokenizer, build_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer, build_tokenizer
 
 
 def _fast(backend, **kwargs):

@@ -18,7 +18,7 @@ from astralight.engine import SamplingSpec
 from astralight.raas.config import RaaSConfig
 from astralight.raas.service import REFUSED_EXIT, RaaSService, _start
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.conftest import free_port
 from tests.unit.engine_fakes import ScriptedEngine

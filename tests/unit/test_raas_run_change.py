@@ -26,7 +26,7 @@ from astralight.raas.membership import RUN_CHANGED_EXIT, TAKEN_OVER_EXIT
 from astralight.raas.service import RaaSService
 from astralight.raas.weight_sync import WeightSync
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.weights.artifacts import ArtifactBuilder
 from astralight.workflows.single_turn import SingleTurnWorkflow
 from tests.fakes import FakeStore, RestartingDataflow, TakeoverDataflow

@@ -19,7 +19,7 @@ from astralight.launch.components import Component
 from astralight.launch.ray_launch import (RAY_DEFAULTS, RayComponent, actor_options,
                                           ray_components, ray_settings)
 from astralight.launch.recipe import RecipeError
-from astralight.ray_process import (ACTOR_DIED, RayProcess, RayUnavailable, bundle,
+from astralight.launch.ray_process import (ACTOR_DIED, RayProcess, RayUnavailable, bundle,
                                     check_resources, env_overlay, require_ray)
 from tests.unit.ray_fakes import FakeActor, FakeRay, FakeRayRun
 
@@ -146,7 +146,7 @@ def test_the_autoscaler_is_switched_to_its_ray_backend(tmp_path):
 @pytest.fixture
 def fake_ray(monkeypatch):
     ray = FakeRay()
-    monkeypatch.setattr("astralight.ray_process.require_ray", lambda *a: ray)
+    monkeypatch.setattr("astralight.launch.ray_process.require_ray", lambda *a: ray)
     return ray
 
 
@@ -218,7 +218,7 @@ def test_astralight_imports_without_ray():
     code = ("import sys; sys.modules['ray'] = None\n"
             "import astralight.launch, astralight.launch.runner, astralight.launch.ray_launch\n"
             "import astralight.autoscale.service, astralight.autoscale.ray_backend\n"
-            "import astralight.ray_process\n"
+            "import astralight.launch.ray_process\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

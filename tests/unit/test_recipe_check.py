@@ -124,7 +124,7 @@ def test_the_checks_defaults_are_the_engines_and_the_lora_specs():
     import inspect
 
     from astralight.launch.check import LORA_DEFAULT_R, VLLM_ENGINE_MAX_LORA_RANK
-    from astralight.lora import LoraSpec
+    from astralight.trainer.lora import LoraSpec
     from astralight.raas.vllm_engine import VLLMEngine
 
     assert LoraSpec().r == LORA_DEFAULT_R

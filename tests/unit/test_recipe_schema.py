@@ -129,7 +129,7 @@ def test_stop_versions_may_be_derived_from_max_steps(tmp_path):
 
 def test_defaults_agree_with_the_code_that_applies_them():
     from astralight.launch.stop import STOP_DEFAULTS
-    from astralight.supervise import SUPERVISE_DEFAULTS
+    from astralight.launch.supervise import SUPERVISE_DEFAULTS
 
     assert AUTOSCALE_DEFAULTS == {f.name: f.default for f in dataclasses.fields(AutoscaleSection)}
     supervise = {f.name: f.default for f in dataclasses.fields(SuperviseSection)}

@@ -48,7 +48,7 @@ POLICIES = ["solver", "verifier"]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
 
     return build_chat_tokenizer()
 

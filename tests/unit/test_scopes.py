@@ -351,7 +351,7 @@ def _scoped_raas(client_factory, instance_id: str, out: io.StringIO | None = Non
     from astralight.raas.config import RaaSConfig
     from astralight.raas.service import RaaSService
     from astralight.rewards.toy import ExactMatchReward
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
     from astralight.workflows.single_turn import SingleTurnWorkflow
     from tests.unit.engine_fakes import ScriptedEngine
 

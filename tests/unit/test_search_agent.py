@@ -318,7 +318,7 @@ def test_a_scripted_episode_searches_and_scores(tmp_path):
     from astralight.protocol import Task
     from astralight.tasks.search_warmstart import SEARCH_SYSTEM_PROMPT, SEARCH_TOOL_ARGS
     from astralight.tasks.tool_warmstart import tool_call_text
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
     from astralight.workflows.tool_agent import ToolAgentWorkflow
     from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 

@@ -11,7 +11,7 @@ import torch
 
 from astralight.tasks.sft_warmstart import build_sft_policy, encode_pairs, read_pairs
 from astralight.tasks.warmstart import sample_completions
-from astralight.tinymodel import build_tiny_model_folder, build_tokenizer
+from astralight.trainer.tinymodel import build_tiny_model_folder, build_tokenizer
 
 PAIRS = [("ab=", "ba"), ("cd=", "dc"), ("xy=", "yx"), ("12=", "21")]
 

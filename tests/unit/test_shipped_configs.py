@@ -105,7 +105,7 @@ def test_trainer_strategy_can_train_a_policy(path):
     strategy = trainer.get("strategy")
     name = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
     assert "FSDPStrategy" not in name and name.lower() not in ("fsdp", "fsdp_cpu_offload")
-    assert not name.endswith("ModelParallelStrategy"), "use astralight.fsdp2_strategy.FSDP2Strategy"
+    assert not name.endswith("ModelParallelStrategy"), "use astralight.trainer.fsdp2_strategy.FSDP2Strategy"
     if name.endswith("FSDP2Strategy"):
         args = strategy.get("init_args", {})
         gpus = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
@@ -113,4 +113,4 @@ def test_trainer_strategy_can_train_a_policy(path):
         # --trainer.num_nodes override; a number must equal the GPUs
         assert args.get("data_parallel_size", "auto") in ("auto", gpus)
         assert args.get("tensor_parallel_size", 1) == 1
-        assert trainer.get("precision") == "bf16-mixed"  # fp32 masters (see astralight.fsdp2)
+        assert trainer.get("precision") == "bf16-mixed"  # fp32 masters (see astralight.trainer.fsdp2)

@@ -82,7 +82,7 @@ def test_behaviour_logprobs_match_a_forward_pass(hf_engine):
 
 
 def test_rewards_eos_and_batching_with_a_scripted_engine():
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     engine = ScriptedEngine(tok, ["82", "81"])
@@ -101,7 +101,7 @@ def test_rewards_eos_and_batching_with_a_scripted_engine():
 
 
 def test_eval_and_train_use_their_own_sampling_and_unknown_model_fails():
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     engine = ScriptedEngine(build_tokenizer(), ["1"], finish="length")
     wf = SingleTurnWorkflow(ExactMatchReward(), sampling=SamplingSpec(temperature=0.6, max_tokens=3))
@@ -117,7 +117,7 @@ def test_eval_and_train_use_their_own_sampling_and_unknown_model_fails():
 
 
 def test_two_policies_get_distinct_sample_indices_and_roles():
-    from astralight.tinymodel import build_tokenizer
+    from astralight.trainer.tinymodel import build_tokenizer
 
     tok = build_tokenizer()
     engines = {"solver": ScriptedEngine(tok, ["2"], version=1),

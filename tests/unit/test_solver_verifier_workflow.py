@@ -17,7 +17,7 @@ from astralight.engine import SamplingSpec
 from astralight.protocol import Sample, Task, decode, encode
 from astralight.rewards.base import Reward
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows.solver_verifier import (PAPER_RETRY_PROMPT, PAPER_SOLVER_PROMPT,
                                                   PAPER_VERIFIER_PROMPT, TOY_TEMPLATES,
                                                   SolverVerifier, VerdictParser, fill_template)

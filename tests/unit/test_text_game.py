@@ -108,7 +108,7 @@ def test_conversations_mix_walkthroughs_and_wrong_play_and_fit_the_model(games):
     from astralight.envs.text_game import TEXT_GAME_ENV_KWARGS, text_game_conversations
     from astralight.envs.textworld_env import game_record
     from astralight.tasks.chat_warmstart import transcript_of
-    from astralight.tinymodel import CHAT_MODEL_SPEC, build_chat_tokenizer
+    from astralight.trainer.tinymodel import CHAT_MODEL_SPEC, build_chat_tokenizer
 
     convs = text_game_conversations(games, 200, wrong_share=0.5, wrong_variants=2, seed=0,
                                     env_kwargs=TEXT_GAME_ENV_KWARGS, rename=False)
@@ -138,7 +138,7 @@ def test_the_recipe_builds_and_matches_its_warm_start(games, tmp_path):
     from astralight.launch.recipe import load_recipe, substitute
     from astralight.raas.config import build_parser
     from astralight.tasks.base import PromptSource
-    from astralight.tinymodel import CHAT_MODEL_SPEC
+    from astralight.trainer.tinymodel import CHAT_MODEL_SPEC
     from astralight.workflows.chat_env import ChatEnvWorkflow
 
     recipe = substitute(load_recipe(RECIPE), {"run_dir": tmp_path})

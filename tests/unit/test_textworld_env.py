@@ -143,7 +143,7 @@ def test_prompt_source_lists_and_splits_the_games(games):
 
 def test_a_chat_episode_on_a_game(games):
     from astralight.engine import SamplingSpec
-    from astralight.tinymodel import build_chat_tokenizer
+    from astralight.trainer.tinymodel import build_chat_tokenizer
     from astralight.workflows.chat_env import ChatEnvWorkflow
     from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 

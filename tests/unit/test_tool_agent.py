@@ -15,7 +15,7 @@ from astralight.agents.tools import Tool, ToolBox, ToolCall, load_tool, parse_to
 from astralight.dataflow import evals
 from astralight.protocol import Sample, Task
 from astralight.rewards.toy import ExactMatchReward
-from astralight.tinymodel import build_chat_tokenizer
+from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.tool_agent import ToolAgentWorkflow
 from tests.unit.engine_fakes import ScriptedEngine, run_tasks
 

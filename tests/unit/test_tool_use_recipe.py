@@ -13,7 +13,7 @@ from astralight.launch.recipe import load_recipe
 from astralight.raas.config import build_parser
 from astralight.tasks.chat_warmstart import transcript_of
 from astralight.tasks.tool_warmstart import TOOL_SYSTEM_PROMPT, tool_conversations
-from astralight.tinymodel import CHAT_MODEL_SPEC, build_chat_tokenizer
+from astralight.trainer.tinymodel import CHAT_MODEL_SPEC, build_chat_tokenizer
 from astralight.workflows.tool_agent import ToolAgentWorkflow
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "tool_use" / "recipe.yaml"

@@ -1,4 +1,4 @@
-"""``astralight fit`` (``astralight.trainer_cli``) follows its ecosystem (issue 19, items 16, 18-20).
+"""``astralight fit`` (``astralight.trainer.trainer_cli``) follows its ecosystem (issue 19, items 16, 18-20).
 
 - the model is an ``RLPolicy``: ``--model.help`` lists the shipped policies, and a plain
   LightningModule is refused when the config is parsed, naming ``RLPolicy``;
@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from astralight.trainer_cli import build
+from astralight.trainer.trainer_cli import build
 from tests.fakes import FakeDataflowClient
 
 ROOT = Path(__file__).resolve().parents[2]

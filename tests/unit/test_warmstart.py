@@ -11,7 +11,7 @@ from astralight.tasks.arithmetic import ArithmeticSource
 from astralight.tasks.warmstart import (
     EOS_ID, build_toy_policy, heldout_accuracy, main, sample_completions, train_warmstart,
 )
-from astralight.tinymodel import TinyModelSpec, build_model, build_tokenizer
+from astralight.trainer.tinymodel import TinyModelSpec, build_model, build_tokenizer
 
 SMALL = {"min_operand": 0, "max_operand": 9, "ops": "+"}
 

@@ -14,7 +14,7 @@ import torch
 from astralight.tasks.warmstart import (EOS_ID, build_toy_solver, build_toy_solver_verifier,
                                         build_toy_verifier, retry_examples, train_verifier_warmstart,
                                         verdict_accuracy, verifier_examples)
-from astralight.tinymodel import build_tokenizer
+from astralight.trainer.tinymodel import build_tokenizer
 from astralight.workflows.solver_verifier import TOY_TEMPLATES, VerdictParser, fill_template
 
 SMALL = {"min_operand": 0, "max_operand": 9, "ops": "+"}
