@@ -15,10 +15,14 @@ inside the cluster's network namespace:
    stops and publishes that version, the autoscaler cancels the queued job and drains the
    running one (it deregisters), the dataflow stops last, the queue empties -- all before Slurm's
    SIGKILL (the job's output has the script's last line);
-4. ``sbatch --wait`` of the same run with a fixed pool resumes it from that checkpoint (the next
-   version published is the one after the stop: no rollback) and trains to version 150; the
-   held-out accuracy must rise as in the local toy test (start <= 0.40, end - start >= 0.20);
-5. at the end the queue is empty and every RaaS that registered has deregistered (the dataflow's
+4. ``sbatch`` of the same run with a fixed pool resumes it from that checkpoint (the next
+   version published is the one after the stop: no rollback);
+5. ``scancel --batch --signal=TERM`` stops it the orderly way (what ``--signal=B:TERM@120`` does
+   before the time limit): the batch script alone gets SIGTERM, passes it on to the trainer
+   exactly once, which saves and publishes, and stops pool and dataflow while the job runs on;
+6. ``sbatch --wait`` resumes again and trains to version 150; the held-out accuracy must rise as
+   in the local toy test (start <= 0.40, end - start >= 0.20);
+7. at the end the queue is empty and every RaaS that registered has deregistered (the dataflow's
    instance table: state ``left``).
 
 What each checks of the issue's breakages: 1 (output files in the submission folder from a fresh
@@ -162,10 +166,12 @@ def ckpt_step(path: Path) -> int:
 def test_slurm_example_on_a_live_cluster(cluster, tmp_path):
     steps = readme_steps()
     kinds = [s.split()[0] for s in steps]
-    assert kinds == ["astralight", "sbatch", "squeue", "scancel", "sbatch", "cat"], steps
-    prepare, submit, show_queue, stop, resume, show_output = steps
+    assert kinds == ["astralight", "sbatch", "squeue", "scancel", "sbatch", "scancel", "sbatch",
+                     "cat"], steps
+    prepare, submit, show_queue, stop, resume, stop_batch, resume_wait, show_output = steps
     assert "AUTOSCALE_MAX" in submit and "--wait" not in submit
-    assert resume.startswith("sbatch --wait") and "N_RAAS=1" in resume
+    assert "N_RAAS=1" in resume and "--wait" not in resume and "--batch --signal=TERM" in stop_batch
+    assert resume_wait == resume.replace("sbatch ", "sbatch --wait ", 1)
 
     work = tmp_path / "repo"  # what the user's checkout looks like to the jobs
     work.mkdir()
@@ -243,19 +249,46 @@ def test_slurm_example_on_a_live_cluster(cluster, tmp_path):
     left = max(i for i, x in enumerate(dataflow_log) if gone in x)
     shutdown = [i for i, x in enumerate(dataflow_log) if "dataflow state closed" in x]
     assert shutdown and left < shutdown[-1], "\n".join(dataflow_log[-20:])
-    first_lines = {"trainer": len(trainer_log.splitlines()), "dataflow": len(dataflow_log)}
 
-    # 4. resume the same run with a fixed pool; it must learn
-    done = in_cluster(resume, work, env, timeout=900, check=False)
+    def since(name: str, lines: int) -> list[str]:
+        return (work / RUN / name).read_text().splitlines()[lines:]
+
+    def published_since(lines: int) -> list[int]:
+        return [int(m.group(1)) for x in since("dataflow.log", lines)
+                if (m := re.search(r"published policy version (\d+)", x))]
+
+    def check_resumed(trainer_from: int, dataflow_from: int, stopped: int) -> None:
+        resumed = "\n".join(since("trainer.log", trainer_from))
+        assert "Restoring states from the checkpoint path" in resumed, resumed[-3000:]
+        assert "last.ckpt" in resumed, resumed[-3000:]
+        again = published_since(dataflow_from)
+        assert again and again[0] == stopped + 1, (stopped, again[:5])  # no rollback
+
+    # 4. resume with a fixed pool; 5. stop it the orderly way: the batch script alone signalled
+    trainer_from, dataflow_from = len(trainer_log.splitlines()), len(dataflow_log)
+    out = in_cluster(resume, work, env)
+    second_job = re.search(r"Submitted batch job (\d+)", out.stdout).group(1)
+    wait_for("the resumed run to publish 3 versions",
+             lambda: len(published_since(dataflow_from)) >= 3, 600, logs)
+    in_cluster(stop_batch, work, env)
+    wait_for("the queue to empty after scancel --batch", lambda: not queue(work, env), 600, logs)
+    second_out = (work / f"astralight-main-{second_job}.out").read_text()
+    assert "SIGTERM to this script only: passing it on to the trainers" in second_out, second_out
+    assert "rollout pool stopped; stopping the dataflow" in second_out, second_out
+    assert any("dataflow state closed" in x for x in since("dataflow.log", dataflow_from))
+    stopping = [x for x in since("trainer.log", trainer_from) if "SIGTERM: finishing" in x]
+    assert len(stopping) == 1, stopping  # one SIGTERM: a second would skip the last save
+    check_resumed(trainer_from, dataflow_from, stopped_at)
+    stopped_again = ckpt_step(work / CKPT_DIR / "last.ckpt")
+    assert stopped_at < stopped_again < VERSIONS and published(work)[-1] == stopped_again
+    assert set(instances(work).values()) == {"left"}, instances(work)
+
+    # 6. resume to the end; it must learn
+    trainer_from = len((work / RUN / "trainer.log").read_text().splitlines())
+    dataflow_from = len((work / RUN / "dataflow.log").read_text().splitlines())
+    done = in_cluster(resume_wait, work, env, timeout=1200, check=False)
     assert done.returncode == 0, f"sbatch --wait exited {done.returncode}\n{done.stderr}\n{logs()}"
-    resumed = "\n".join(
-        (work / RUN / "trainer.log").read_text().splitlines()[first_lines["trainer"]:])
-    assert "Restoring states from the checkpoint path" in resumed, resumed[-3000:]
-    assert "last.ckpt" in resumed, resumed[-3000:]
-    second = (work / RUN / "dataflow.log").read_text().splitlines()[first_lines["dataflow"]:]
-    again = [int(m.group(1)) for x in second
-             if (m := re.search(r"published policy version (\d+)", x))]
-    assert again and again[0] == stopped_at + 1, (stopped_at, again[:5])  # no rollback
+    check_resumed(trainer_from, dataflow_from, stopped_again)
     assert published(work)[-1] == VERSIONS and ckpt_step(work / CKPT_DIR / "last.ckpt") == VERSIONS
     acc = eval_accuracy(work)
     start, end = acc[0], acc[max(acc)]
@@ -264,9 +297,9 @@ def test_slurm_example_on_a_live_cluster(cluster, tmp_path):
     assert start <= 0.40, acc
     assert end - start >= 0.20, f"RL did not improve held-out accuracy by 20 points: {acc}"
 
-    # 5. the end: nothing queued, every RaaS that registered has left
+    # 7. the end: nothing queued, every RaaS that registered has left
     assert not queue(work, env)
     table = instances(work)
     assert len(table) >= 2 and set(table.values()) == {"left"}, table
     out = in_cluster(show_output, work, env).stdout
-    assert out.count("rollout pool stopped; stopping the dataflow") == 2, out[-3000:]
+    assert out.count("rollout pool stopped; stopping the dataflow") == 3, out[-3000:]
