@@ -231,6 +231,7 @@ _TOKENS = re.compile(
     r"|has no attribute '(?P<attr>[^']+)'"
     r"|No module named '(?P<module>[^']+)'"
     r"|Expected a <class '(?P<expected>[^']+)'>\.? ?(?:Got value: (?P<got>.+?))?(?= - |$)"
+    r"|Expected a typing\.Literal\[(?P<literal>[^\]]*)\]\.? ?(?:Got value: (?P<lgot>.+?))?(?= - |$)"
     r"|Not of type (?P<nottype>\w+): (?P<why>.+?)(?= - |$)")
 
 
@@ -333,6 +334,18 @@ def explain(message: str, where: str, config: dict | None = None,
                 continue
             reason = f"expected {m['expected']}" + (f", got {m['got']}" if m["got"] else "")
             break
+        elif m["literal"] is not None:
+            if cls is not None:
+                parts.append("init_args")
+            got = m["lgot"]
+            if got is None and config is not None:
+                got = _locate(config, parts)
+            choices = re.findall(r"'([^']*)'", m["literal"])
+            close = difflib.get_close_matches(str(got), choices, n=1) if got is not None else []
+            return (f"{where}.{'.'.join(parts)}: "
+                    + (f"got {got!r}; " if got is not None else "")
+                    + f"expected one of {m['literal']}"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
         elif m["nottype"]:
             reason = f"not {m['nottype']}: {m['why']}"
             break

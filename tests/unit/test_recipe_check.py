@@ -216,3 +216,18 @@ def test_explain_turns_jsonargparse_messages_into_recipe_keys():
     assert explain("source.class_path: cannot import 'x.Y'", "recipe.dataflow") == (
         "recipe.dataflow.source.class_path: cannot import 'x.Y'")
     assert explain("something else", "recipe.raas[0]") == "recipe.raas[0]: something else"
+
+
+def test_explain_names_the_value_a_choice_refused():
+    """``loss: grpo`` used to end in a 300-character union dump cut before the value."""
+    message = ('Parser key "model": Does not validate against any of the Union subtypes '
+               "Subtypes: [...] Errors: - Problem with given class_path 'astralight.policy."
+               "M2POPolicy': Parser key \"loss\": Expected a typing.Literal['m2po', "
+               "'m2po_harmful', 'ppo_clip', 'tis_ppo'] - Expected a <class 'NoneType'>")
+    config = {"model": {"class_path": "astralight.policy.M2POPolicy",
+                        "init_args": {"loss": "grpo"}}}
+    assert explain(message, "recipe.trainers[0]", config) == (
+        "recipe.trainers[0].model.init_args.loss: got 'grpo'; expected one of 'm2po', "
+        "'m2po_harmful', 'ppo_clip', 'tis_ppo'")
+    config["model"]["init_args"]["loss"] = "ppo_clp"
+    assert explain(message, "recipe.trainers[0]", config).endswith("did you mean 'ppo_clip'?")
