@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "examples" / "toy" / "recipe.yaml"
 #: every recipe the repository ships (component configs are the other YAML files)
 SHIPPED = sorted(
-    [p for p in (ROOT / "examples").glob("*/*.yaml")
-     if "trainers" in (yaml.safe_load(p.read_text()) or {})
-     or "extends" in (yaml.safe_load(p.read_text()) or {})]
+    [p for p in (ROOT / "examples").glob("**/*.yaml")
+     if "cluster" not in p.relative_to(ROOT / "examples").parts  # Kubernetes manifests
+     and ("trainers" in (yaml.safe_load(p.read_text()) or {})
+     or "extends" in (yaml.safe_load(p.read_text()) or {}))]
     + sorted((ROOT / "configs" / "toy" / "algorithms").glob("*.yaml"))
     + [ROOT / "configs" / "toy" / "autoscale.yaml"])
 
@@ -42,7 +43,8 @@ def child(tmp_path: Path, **changes) -> Path:
 def test_the_shipped_recipes_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in SHIPPED}
     assert {"examples/toy/recipe.yaml", "examples/multi_agent/solver_alone.yaml",
-            "configs/toy/autoscale.yaml", "configs/toy/algorithms/vanilla.yaml"} <= names
+            "examples/agents/verifiers/recipe.yaml", "configs/toy/autoscale.yaml",
+            "configs/toy/algorithms/vanilla.yaml"} <= names
     assert not any(n.endswith("trainer.yaml") for n in names)
 
 
