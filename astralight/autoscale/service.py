@@ -78,12 +78,17 @@ class AutoscaleConfig:
 
 class Autoscaler:
     """The loop; ``client`` is a DataflowClient (``stats``, ``balance``, ``drain``), ``backend``
-    a :class:`~astralight.autoscale.backends.Backend`. ``clock`` (monotonic, for the cooldown)
-    and ``wall`` (epoch seconds, comparable with the dataflow's timestamps) are injectable."""
+    a :class:`~astralight.autoscale.backends.Backend`. ``clock`` (monotonic, for the cooldown and
+    the shutdown wait's deadline), ``sleep`` (the shutdown wait's pause between polls; it must
+    advance ``clock``) and ``wall`` (epoch seconds, comparable with the dataflow's timestamps)
+    are injectable."""
 
     def __init__(self, policy: Policy, backend: Any, client: Any, config: AutoscaleConfig,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 out=None):
+                 out=None, sleep: Callable[[float], Any] | None = None):
+        if sleep is None and clock is not time.monotonic:
+            raise ValueError("sleep: give the sleep that advances the injected clock (the "
+                             "shutdown wait would never reach its deadline)")
         self.policy = policy
         self.backend = backend
         self.client = client
@@ -99,7 +104,7 @@ class Autoscaler:
         self.decisions: list[dict] = []
         self.version = 0
         self.next_report = config.every
-        self.sleep = time.sleep  # (injectable: the shutdown wait's pause between polls)
+        self.sleep = sleep or time.sleep
         self._k = self._first_index()
 
     # ------------------------------------------------------------------ bookkeeping

@@ -56,7 +56,8 @@ def scaler_for(tmp_path, backend, flow, initial=2, **policy_kw):
     return Autoscaler(Policy(cfg), backend, flow,
                       AutoscaleConfig(every=5, initial=initial,
                                       decisions_log=str(tmp_path / "d.jsonl")),
-                      clock=clock, wall=lambda: 1000.0 + clock.t, out=io.StringIO())
+                      clock=clock, wall=lambda: 1000.0 + clock.t, out=io.StringIO(),
+                      sleep=clock.sleep)
 
 
 def test_restart_adopts_the_registered_pool_instead_of_doubling_it(tmp_path):

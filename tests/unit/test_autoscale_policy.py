@@ -177,7 +177,8 @@ def make_scaler(tmp_path, **policy_kw):
     cfg = PolicyConfig(**{"min_instances": 1, "max_instances": 3, "cooldown_s": 30, **policy_kw})
     scaler = Autoscaler(Policy(cfg), backend, flow,
                         AutoscaleConfig(every=5, initial=1, decisions_log=str(tmp_path / "d.jsonl")),
-                        clock=clock, wall=lambda: 1000.0 + clock.t, out=io.StringIO())
+                        clock=clock, wall=lambda: 1000.0 + clock.t, out=io.StringIO(),
+                        sleep=clock.sleep)
     return scaler, backend, flow, clock
 
 
