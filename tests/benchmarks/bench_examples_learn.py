@@ -76,6 +76,8 @@ CONDITIONS = ("quiet", "contended")
 #: the trainers' curves read for the first/last-window figures
 MALFORMED_TAG, CALLS_TAG, REWARD_TAG = ("agent/tool_errors/malformed", "agent/tool_calls",
                                         "train/reward_mean")
+#: commands a text game did not accept, per episode (environment workflows have no tool calls)
+INVALID_TAG = "agent/invalid_actions"
 
 
 def log(msg: str) -> None:
@@ -173,13 +175,14 @@ class Contention:
 
 def window_means(run_dir: Path, window: int) -> dict[str, Any]:
     """First and last ``window`` steps of the first trainer's curves: the mean train reward and
-    the malformed share of tool calls (None where the run logged no tool calls)."""
+    the malformed share of tool calls (None where the run logged no tool calls) and the invalid
+    commands per episode of an environment workflow (None where it logged none)."""
     from astralight.launch.guard import TrainCurves
 
-    curves = TrainCurves(run_dir, (MALFORMED_TAG, CALLS_TAG, REWARD_TAG)).read()
+    curves = TrainCurves(run_dir, (MALFORMED_TAG, CALLS_TAG, REWARD_TAG, INVALID_TAG)).read()
     out: dict[str, Any] = {}
     for logger, series in sorted(curves.items()):
-        reward = series.get(REWARD_TAG, [])
+        reward, invalid = series.get(REWARD_TAG, []), series.get(INVALID_TAG, [])
         malformed, calls = series.get(MALFORMED_TAG, []), series.get(CALLS_TAG, [])
         n = min(len(malformed), len(calls))
 
@@ -192,6 +195,10 @@ def window_means(run_dir: Path, window: int) -> dict[str, Any]:
             "train_reward_last": round(sum(reward[-window:]) / len(reward[-window:]), 4) if reward else None,
             "malformed_share_first": share(0, min(window, n)) if n else None,
             "malformed_share_last": share(max(0, n - window), n) if n else None,
+            "invalid_actions_first": round(sum(invalid[:window]) / len(invalid[:window]), 4)
+            if invalid else None,
+            "invalid_actions_last": round(sum(invalid[-window:]) / len(invalid[-window:]), 4)
+            if invalid else None,
             "steps": len(reward),
         }
     return out

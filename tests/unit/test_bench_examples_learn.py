@@ -87,3 +87,17 @@ def test_the_warm_start_is_built_with_the_overrides_at_the_recipes_own_seed():
     kwargs, base_kwargs = recipe["prepare"]["kwargs"], base["prepare"]["kwargs"]
     assert kwargs["sft_steps"] == 1200 != base_kwargs["sft_steps"]
     assert recipe["seed"] == base["seed"] and kwargs["seed"] == base_kwargs["seed"]
+
+
+def test_window_means_reads_reward_malformed_share_and_invalid_commands(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tensorboard" / "policy" / "version_0"))
+    for step, (reward, invalid) in enumerate([(0.0, 3.0), (0.5, 2.0), (1.0, 1.0), (1.0, 0.0)]):
+        writer.add_scalar("train/reward_mean", reward, step)
+        writer.add_scalar("agent/invalid_actions", invalid, step)
+    writer.close()
+    [means] = bench.window_means(tmp_path, 2).values()
+    assert means["train_reward_first"] == 0.25 and means["train_reward_last"] == 1.0
+    assert means["invalid_actions_first"] == 2.5 and means["invalid_actions_last"] == 0.5
+    assert means["malformed_share_first"] is None and means["steps"] == 4
