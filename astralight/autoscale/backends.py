@@ -68,6 +68,48 @@ class Backend(Protocol):
         """Wait for retirements in progress; release resources."""
 
 
+def drain_then_stop(instance_id: str, proc: Any, client_factory: Callable[[], Any],
+                    drain_timeout_s: float, kill_after_s: float,
+                    say: Callable[[str], None]) -> str:
+    """Retire one running instance: ask the dataflow to drain it (it finishes its leased tasks,
+    deregisters and exits), wait ``drain_timeout_s``, then SIGTERM, and ``kill_after_s`` later
+    SIGKILL. ``proc`` is Popen-like (``poll``, ``wait(timeout)``, ``send_signal``, ``kill``: a
+    local process or a Ray actor's handle). Returns how it stopped: ``drained``, ``SIGTERM`` or
+    ``SIGKILL``."""
+    how, drained = "drained", False
+    if proc.poll() is None:
+        client = None
+        try:
+            client = client_factory()
+            client.drain(instance_id)
+            drained = True
+        except Exception as exc:  # e.g. 404: still starting, never registered
+            say(f"{instance_id}: drain route failed ({exc}); stopping it with SIGTERM")
+        finally:
+            if client is not None and hasattr(client, "close"):
+                client.close()
+    try:
+        proc.wait(timeout=drain_timeout_s if drained else 0)
+    except subprocess.TimeoutExpired:
+        how = "SIGTERM"
+        if drained:
+            say(f"{instance_id}: still running {drain_timeout_s:.0f}s after the drain request; "
+                "SIGTERM")
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=kill_after_s)
+        except subprocess.TimeoutExpired:
+            how = "SIGKILL"
+            say(f"{instance_id}: still running {kill_after_s:.0f}s after SIGTERM; SIGKILL")
+            proc.kill()
+            if proc.returncode is None:  # a Popen is reaped here; a Ray handle reaps in kill()
+                proc.wait()
+    return how
+
+
 def render(template: str, instance_id: str, n: int | None) -> str:
     """Substitute ``{instance}`` and ``{n}`` (plain replacement: other braces stay as they are,
     e.g. a shell's ``${VAR}``)."""
@@ -170,35 +212,8 @@ class LocalProcessBackend:
 
     def _retire(self, instance_id: str, proc: subprocess.Popen) -> None:
         t0 = time.monotonic()
-        how = "drained"
-        drained = False
-        if proc.poll() is None:
-            client = None
-            try:
-                client = self.client_factory()
-                client.drain(instance_id)
-                drained = True
-            except Exception as exc:  # e.g. 404: still starting, never registered
-                self.say(f"{instance_id}: drain route failed ({exc}); stopping it with SIGTERM")
-            finally:
-                if client is not None and hasattr(client, "close"):
-                    client.close()
-        try:
-            proc.wait(timeout=self.drain_timeout_s if drained else 0)
-        except subprocess.TimeoutExpired:
-            how = "SIGTERM"
-            if drained:
-                self.say(f"{instance_id}: still running {self.drain_timeout_s:.0f}s after the drain "
-                         "request; SIGTERM")
-            self._signal(proc, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.kill_after_s)
-            except subprocess.TimeoutExpired:
-                how = "SIGKILL"
-                self.say(f"{instance_id}: still running {self.kill_after_s:.0f}s after SIGTERM; "
-                         "SIGKILL")
-                self._signal(proc, signal.SIGKILL)
-                proc.wait()
+        how = drain_then_stop(instance_id, proc, self.client_factory, self.drain_timeout_s,
+                              self.kill_after_s, self.say)
         event = {"instance_id": instance_id, "how": how, "exit_code": proc.returncode,
                  "seconds": round(time.monotonic() - t0, 2)}
         with self._lock:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from astralight.autoscale.backends import BackendError
+from astralight.autoscale.backends import BackendError, drain_then_stop
 from astralight.dataflow.auth import ROLLOUT, handoff_env
 from astralight.launch.ray_process import (RayProcess, RayUnavailable, bundle, check_resources, connect,
                                     env_overlay, start_actor)
@@ -168,29 +168,9 @@ class RayBackend:
             thread.join()
 
     def _retire(self, instance_id: str) -> None:
-        proc, t0, how = self.procs[instance_id], time.monotonic(), "drained"
-        drained = False
-        if proc.poll() is None:
-            client = None
-            try:
-                client = self.client_factory()
-                client.drain(instance_id)
-                drained = True
-            except Exception as exc:  # e.g. 404: still starting, never registered
-                self.say(f"{instance_id}: drain route failed ({exc}); stopping it with SIGTERM")
-            finally:
-                if client is not None and hasattr(client, "close"):
-                    client.close()
-        try:
-            proc.wait(timeout=self.drain_timeout_s if drained else 0)
-        except subprocess.TimeoutExpired:
-            how = "SIGTERM"
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.kill_after_s)
-            except subprocess.TimeoutExpired:
-                how = "SIGKILL"
-                proc.kill()
+        proc, t0 = self.procs[instance_id], time.monotonic()
+        how = drain_then_stop(instance_id, proc, self.client_factory, self.drain_timeout_s,
+                              self.kill_after_s, self.say)
         self._free(instance_id)
         event = {"instance_id": instance_id, "how": how, "exit_code": proc.returncode,
                  "seconds": round(time.monotonic() - t0, 2)}
