@@ -224,3 +224,15 @@ class ConstrainedScriptEngine(PromptScriptEngine):
 
             raise ConstraintError(self.refuse)
         return super().submit(prompt_token_ids, params)
+
+
+#: the scripted calculator policy's tool call (the add tool on the sum 123+456)
+CALCULATOR_CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
+
+
+def calculator(prompt: str, k: int) -> str:
+    """A :class:`PromptScriptEngine` script of the calculator agent's policy: call add first,
+    copy its result once it is in the context."""
+    if "<tool_response>\n579\n" in prompt:
+        return "579"
+    return "Let me add." + CALCULATOR_CALL if "123+456=" in prompt else "0"

@@ -32,20 +32,12 @@ from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.agent_process import RUNNER, ProcessAgentWorkflow
 from astralight.workflows.base import BrokenWorkflowError, TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow
-from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
+from tests.unit.engine_fakes import PromptScriptEngine, calculator, run_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = Path(__file__).resolve().parent / "process_agents" / "agents.py"
 CLI = Path(__file__).resolve().parent / "process_agents" / "cli_agent.py"
 EXAMPLE_AGENT = ROOT / "examples" / "openai_agent" / "agent.py"
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
-
-
-def calculator(prompt: str, k: int) -> str:
-    """The scripted policy: call add first, copy its result once it is in the context."""
-    if "<tool_response>\n579\n" in prompt:
-        return "579"
-    return "Let me add." + CALL if "123+456=" in prompt else "0"
 
 
 @pytest.fixture(scope="module")

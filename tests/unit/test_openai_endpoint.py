@@ -28,10 +28,10 @@ from astralight.rewards.toy import ExactMatchReward
 from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.base import TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow, merge_calls
-from tests.unit.engine_fakes import PromptScriptEngine, in_episode, run_tasks
+from tests.unit.engine_fakes import (CALCULATOR_CALL as CALL, PromptScriptEngine, calculator,
+                                     in_episode, run_tasks)
 
 ROOT = Path(__file__).resolve().parents[2]
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
 
 
 def _example_agent():
@@ -43,13 +43,6 @@ def _example_agent():
 
 
 EXAMPLE = _example_agent()
-
-
-def calculator(prompt: str, k: int) -> str:
-    """The scripted policy: call add first, copy its result once it is in the context."""
-    if "<tool_response>\n579\n" in prompt:
-        return "579"
-    return "Let me add." + CALL if "123+456=" in prompt else "0"
 
 
 @pytest.fixture(scope="module")
