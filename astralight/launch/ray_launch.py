@@ -39,6 +39,7 @@ from typing import Any
 from astralight.launch.components import Component
 from astralight.launch.recipe import RecipeError
 from astralight.launch.state import write_atomic
+from astralight.launch.supervise import exit_reason
 from astralight.launch.ray_process import (RayUnavailable, bundle, check_resources, connect, env_overlay,
                                     start_actor)
 
@@ -129,6 +130,13 @@ class RayComponent(Component):
                 log.write(note + "\n")
             self.placement.record(self)
         return alive
+
+    def exit_reason(self, rc: int | None) -> str:
+        """Why it exited, for the supervisor's line: a dead actor (its -9 is Ray's, not the
+        out-of-memory killer's), else what the status says."""
+        if self.proc is not None and self.proc.died:
+            return f" (its Ray actor died: {self.proc.died})"
+        return exit_reason(rc)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         """Signal the child, wait up to ``timeout_s``, SIGKILL it after that; then end the

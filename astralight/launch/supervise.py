@@ -108,6 +108,9 @@ class Supervised(Protocol):
 
     def tail(self, lines: int = 30) -> str: ...
 
+    # optional: ``exit_reason(rc) -> str``, the component's own account of an exit status (a Ray
+    # component whose actor died says so instead of the out-of-memory guess of :func:`exit_reason`)
+
 
 class GiveUp(RuntimeError):
     """A component crashed once more than ``max_restarts`` allows, supervision is off, or it exited
@@ -241,7 +244,8 @@ class Supervisor:
                                          "or agent): a restart would fail the same way, so "
                                          f"none is made. Its log:\n"
                                          f"{comp.tail()}")
-        why = exit_reason(rc)
+        explain = getattr(comp, "exit_reason", None)
+        why = explain(rc) if callable(explain) else exit_reason(rc)
         if self.settings is None:
             raise GiveUp(name, rc, used, f"{name} exited with {rc}{why} (recipe.supervise is off):\n"
                                          f"{comp.tail()}")

@@ -291,3 +291,24 @@ def test_a_retired_component_is_never_restarted():
     sup.retire("raas-0")
     sup.poll(10.0)
     assert sup.down() == set() and comps["raas-0"].starts == 0
+
+
+def test_a_component_that_knows_why_it_exited_says_so_instead_of_the_oom_guess():
+    """A Ray component's killed actor reads as -9: the supervisor's line must not blame the
+    out-of-memory killer for it."""
+    import types
+
+    from astralight.launch.ray_launch import RayComponent
+
+    sup, comps, lines, _ = make(max_restarts=0, backoff_s=0)
+    raas = comps["raas-0"]
+    raas.exit_reason = lambda rc: " (its Ray actor died: the node went away)"
+    raas.crash(-9)
+    with pytest.raises(GiveUp, match=r"raas-0 exited with -9 \(its Ray actor died: the node went "
+                                     r"away\) after 0 restart") as info:
+        sup.poll(0.0)
+    assert "out-of-memory" not in str(info.value)
+    died = types.SimpleNamespace(proc=types.SimpleNamespace(died="killed by ray.kill"))
+    assert RayComponent.exit_reason(died, -9) == " (its Ray actor died: killed by ray.kill)"
+    alive = types.SimpleNamespace(proc=types.SimpleNamespace(died=None))
+    assert "out-of-memory" in RayComponent.exit_reason(alive, -9)
