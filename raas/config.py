@@ -11,7 +11,8 @@ YAML keys (defaults in brackets)::
         max_model_len: 128
         kv_cache_memory_bytes: 268435456
       # ... or another engine class: {class_path: astralight.raas.hf_engine.HFEngine, init_args: {...}}
-    model_ids: [policy]           # [keys of engines] what to register for
+    model_ids: [policy]           # [keys of engines] what to register for; an engine not
+                                  # listed is frozen: served at its own weights, never synced
     workflow:                     # [SingleTurnWorkflow with ExactMatchReward]
       class_path: astralight.workflows.single_turn.SingleTurnWorkflow
       init_args:
@@ -109,7 +110,9 @@ def build_parser():
     p.add_argument("--engines", type=dict[str, dict[str, Any]], default={},
                    help="{model_id: VLLMEngine kwargs, or {class_path, init_args}}")
     p.add_argument("--model_ids", type=Optional[list[str]], default=None,
-                   help="policies to register for (default: the keys of engines)")
+                   help="policies to register for (default: the keys of engines); an engine "
+                        "not listed is served frozen: built, never synced or registered (a "
+                        "model an agent team calls but does not train)")
     p.add_argument("--workflow", type=Optional[Workflow], default=None,
                    help="workflow plugin {class_path, init_args} (default: single turn, exact match)")
     p.add_argument("--max_concurrency", type=int, default=64)

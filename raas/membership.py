@@ -236,7 +236,8 @@ class Membership:
 
     def _register_once(self, client: Any) -> None:
         meta = {"workflow": self.workflow_name(), "pid": os.getpid(),
-                "versions": {m: int(e.version) for m, e in self.engines.items()}}
+                "versions": {m: int(e.version) for m, e in self.engines.items()
+                             if m in self.config.model_ids}}  # frozen engines are not registered
         limits = self.registration_limits()
         reply = client.register(self.config.model_ids, self.config.max_concurrency,
                                 instance_id=self.instance_id or f"raas-{uuid.uuid4().hex[:8]}",

@@ -96,7 +96,7 @@ class Prompt:
 async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
     """Call ``index`` of ``ep``, on the episode's loop: render and tokenize (off the loop),
     generate, parse (off the loop), record."""
-    engine = ep.engine
+    engine = ep.engines[req.model]  # the endpoint admitted only models the episode serves
     if req.constraint_param is not None and not getattr(engine, "constrained_decoding", False):
         raise bad_request(req.constraint_param, f"the policy engine ({type(engine).__name__}) "
                           "cannot constrain decoding, so it cannot honour this field (and the "
@@ -122,10 +122,10 @@ async def complete(ep: Episode, req: ChatRequest, index: int) -> CallRecord:
     return record
 
 
-def context_limit(ep: Episode) -> int | None:
-    """Most prompt + completion tokens of a call: the engine's ``max_model_len`` and the
-    episode's ``max_context_tokens``, whichever is smaller (None: neither is known)."""
-    limit = getattr(ep.engine, "max_model_len", None)
+def context_limit(ep: Episode, engine: Any) -> int | None:
+    """Most prompt + completion tokens of a call served by ``engine``: its ``max_model_len`` and
+    the episode's ``max_context_tokens``, whichever is smaller (None: neither is known)."""
+    limit = getattr(engine, "max_model_len", None)
     cap = ep.settings.max_context_tokens
     if cap is not None:
         limit = cap if limit is None else min(int(limit), cap)
@@ -137,11 +137,12 @@ def prepare_prompt(ep: Episode, req: ChatRequest) -> Prompt:
     (400 ``context_length_exceeded`` naming ``messages``) when it cannot fit the context --
     before tokenizing when its length alone proves it --, then tokenized, with its stop strings
     as single tokens."""
-    tok = ep.engine.tokenizer
+    engine = ep.engines[req.model]
+    tok = engine.tokenizer
     tools = req.tools if req.use_tools else []
     text = render_prompt(tok, req.messages, tools,
                          {**ep.settings.chat_template_kwargs, **req.template_kwargs})
-    limit = context_limit(ep)
+    limit = context_limit(ep, engine)
     refuse_what_cannot_fit(tok, text, limit)
     ids = encode_prompt(tok, text)
     room = None if limit is None else limit - len(ids)
@@ -231,14 +232,15 @@ def call_record(ep: Episode, req: ChatRequest, index: int, prompt: Prompt, compl
                 version: int, spec: SamplingSpec) -> CallRecord:
     """On a worker thread: the completion decoded, its tool calls parsed, as a record (a long
     completion's decoding and parsing stays off the episode's loop too)."""
+    tok = ep.engines[req.model].tokenizer
     if completion.finish_reason == "stop_string":  # the text before the first stop string
-        out = ep.engine.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+        out = tok.decode(list(completion.token_ids), skip_special_tokens=True)
         out = out[:min(i for s in prompt.stop_strings if (i := out.find(s)) >= 0)]
     else:
-        out = decode_turn(ep.engine.tokenizer, completion)
+        out = decode_turn(tok, completion)
     content, calls, errors = split_tool_calls(out, prompt.tools, ep.id, index)
     return CallRecord(
-        index=index, model_id=ep.model_id, prompt_ids=list(prompt.ids),
+        index=index, model_id=req.model, prompt_ids=list(prompt.ids),
         completion_ids=[int(t) for t in completion.token_ids],
         logprobs=[float(x) for x in completion.logprobs],
         versions=[int(v) for v in completion.token_versions(version)],
@@ -420,7 +422,7 @@ def completion_body(ep: Episode, r: CallRecord, with_logprobs: bool) -> dict:
               "tool_calls" if r.tool_calls else "stop")
     logprobs = None
     if with_logprobs:
-        tok = ep.engine.tokenizer
+        tok = ep.engines[r.model_id].tokenizer
         logprobs = {"content": [
             {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
             for t, lp in zip((tok.decode([i]) for i in r.completion_ids), r.logprobs)]}

@@ -11,8 +11,9 @@ client calls:
   (:mod:`~astralight.raas.openai_responses`);
 - ``POST /v1/episodes/{episode_id}/v1/messages`` (and ``.../messages``) -- the Anthropic
   Messages API, on the same recorder (:mod:`~astralight.raas.anthropic_messages`);
-- ``GET /v1/episodes/{episode_id}/models`` -- the episode's one model (its policy's model_id);
-  ``.../models/{model}`` retrieves it.
+- ``GET /v1/episodes/{episode_id}/models`` -- the episode's models: its policy's model_id, and
+  for an agent team its teammates' (``open_episode(others=...)``); ``.../models/{model}``
+  retrieves one. A call names its model in ``model`` and is served and recorded by that one.
 
 A workflow opens an episode (:meth:`OpenAIEndpoint.open_episode`: the policy's engine, its
 model_id, the asyncio loop the engine is driven from, sampling defaults), hands the agent
@@ -185,14 +186,19 @@ class OpenAIEndpoint:
     # -- episodes
 
     def open_episode(self, engine: Any, model_id: str, settings: EpisodeSettings | None = None,
-                     loop: asyncio.AbstractEventLoop | None = None) -> Episode:
+                     loop: asyncio.AbstractEventLoop | None = None,
+                     others: dict[str, Any] | None = None) -> Episode:
         """Register an episode whose calls ``engine`` serves on ``loop`` (default: the running
-        loop, i.e. call this from the workflow's coroutine)."""
+        loop, i.e. call this from the workflow's coroutine). ``others``: further models the
+        episode may call by name, ``{model_id: engine}`` (an agent team's other policies and
+        frozen models); each call is recorded under the model it named."""
         if not model_id:
             raise ValueError("model_id: an episode serves one named policy")
+        if model_id in (others or {}):
+            raise ValueError(f"others: {model_id!r} is the episode's own policy already")
         loop = loop or asyncio.get_running_loop()
         ep = Episode(secrets.token_hex(12), model_id, engine, loop, settings or EpisodeSettings(),
-                     key=f"ep-{secrets.token_urlsafe(24)}")
+                     key=f"ep-{secrets.token_urlsafe(24)}", others=others)
         with self._lock:
             self._episodes[ep.id] = ep
             self._by_key[bearer_digest(ep.key)] = ep.id
@@ -276,19 +282,19 @@ class OpenAIEndpoint:
                 ep = episode(request)
             except RequestError as exc:
                 return error(exc)
-            return {"object": "list", "data": [{"id": ep.model_id, "object": "model",
-                                                "created": 0, "owned_by": "astralight"}]}
+            return {"object": "list", "data": [{"id": m, "object": "model", "created": 0,
+                                                "owned_by": "astralight"} for m in ep.engines]}
 
         async def model(request: Request):
             model = request.path_params["model"]
             try:
                 ep = episode(request)
-                if model != ep.model_id:
+                if model not in ep.engines:
                     raise RequestError(404, "model", f"model: {model!r} is not served to this "
-                                       f"episode; it serves {ep.model_id!r}", "model_not_found")
+                                       f"episode; it serves {served(ep)}", "model_not_found")
             except RequestError as exc:
                 return error(exc)
-            return {"id": ep.model_id, "object": "model", "created": 0, "owned_by": "astralight"}
+            return {"id": model, "object": "model", "created": 0, "owned_by": "astralight"}
 
         async def chat_completions(request: Request):
             try:
@@ -361,10 +367,11 @@ class OpenAIEndpoint:
 
     async def _record(self, ep: Episode, req: ChatRequest) -> CallRecord:
         """Admit the call and run it on the episode's loop; its record."""
-        if req.model != ep.model_id:
+        if req.model not in ep.engines:
+            team = f"; its team serves {served(ep)}" if len(ep.engines) > 1 else ""
             raise RequestError(404, "model", f"model: {req.model!r} is not served to this "
                                f"episode; use {ep.model_id!r} (the model argument the agent was "
-                               "given)", "model_not_found")
+                               f"given){team}", "model_not_found")
         with self._lock:
             if ep.closed:
                 raise self._closed(ep)
@@ -408,6 +415,11 @@ class OpenAIEndpoint:
         return RequestError(404, "episode_id", f"episode_id: {ep.id!r} ended (the agent's "
                             "episode timed out or finished) while this call was made",
                             "episode_not_found")
+
+
+def served(ep: Episode) -> str:
+    """The models an episode may call, for a refusal: ``'policy'`` or ``'a', 'b'``."""
+    return ", ".join(repr(m) for m in ep.engines)
 
 
 def sse(events) -> StreamingResponse:

@@ -74,11 +74,20 @@ class EpisodeSettings:
 
 
 class Episode:
-    """One agent run's view of the endpoint: its engine, loop, settings and records."""
+    """One agent run's view of the endpoint: its engines, loop, settings and records.
+
+    ``model_id`` / ``engine`` are the episode's own policy (the ``model`` its agent is handed);
+    ``engines`` maps every model the episode may call, by ``model`` name, to its engine: the own
+    policy, and for an agent team the teammates' policies and frozen models
+    (:class:`~astralight.workflows.openai_agent.OpenAIAgentWorkflow`'s ``team``). Each call is
+    served by the engine its request names, and recorded under that ``model_id``.
+    """
 
     def __init__(self, episode_id: str, model_id: str, engine: Any,
-                 loop: asyncio.AbstractEventLoop, settings: EpisodeSettings, key: str = ""):
+                 loop: asyncio.AbstractEventLoop, settings: EpisodeSettings, key: str = "",
+                 others: dict[str, Any] | None = None):
         self.id, self.model_id, self.engine, self.loop = episode_id, model_id, engine, loop
+        self.engines: dict[str, Any] = {model_id: engine, **(others or {})}
         #: the episode's own api key: it chooses the episode on the key-routed paths, and a
         #: call with it on another episode's path is refused
         self.key = key

@@ -213,7 +213,7 @@ def response_body(ep: Episode, record: CallRecord, request: dict, chat: dict,
     if record.content:
         part = {"type": "output_text", "text": record.content, "annotations": []}
         if with_logprobs:
-            tok = ep.engine.tokenizer
+            tok = ep.engines[record.model_id].tokenizer
             part["logprobs"] = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                  "top_logprobs": []}
                                 for t, lp in zip((tok.decode([i]) for i in record.completion_ids),

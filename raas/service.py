@@ -82,7 +82,10 @@ class RaaSService(Membership):
         t0 = time.perf_counter()
         if self.engines is None:
             self.engines = {}
-            for i, mid in enumerate(cfg.model_ids):
+            # the policies first (their seeds as before), then the frozen models: an engine not
+            # in model_ids is served at its own weights and never synced (an agent team's judge)
+            frozen = [m for m in cfg.engines if m not in cfg.model_ids]
+            for i, mid in enumerate([*cfg.model_ids, *frozen]):
                 self.engines[mid] = build_engine(mid, cfg.engines[mid], cfg.seed + i)
         engines_s = time.perf_counter() - t0
         self.client = self.client_factory()

@@ -457,6 +457,17 @@ def _check_links(recipe: dict) -> None:
             raise RecipeError(f"recipe.trainers[{i}].data.init_args.model_id: {data_mid!r}, but "
                               f"the trainer's policy is {mid!r} (model.init_args.model_id); "
                               "remove it (it follows the model's) or make them equal")
+    for j, raas in enumerate(recipe.get("raas") or []):
+        engines = list(raas.get("engines") or {})
+        stray = [m for m in (raas.get("model_ids") or engines) if m not in model_ids]
+        if stray:
+            keep = [m for m in engines if m in model_ids]
+            raise RecipeError(
+                f"recipe.raas[{j}].model_ids: {stray} are not in recipe.dataflow.model_ids "
+                f"{model_ids} (raas model_ids default to the keys of engines), so the dataflow "
+                f"would refuse this RaaS; to serve {stray} frozen (never trained: a model an "
+                f"agent team calls), set recipe.raas[{j}].model_ids: {keep}, else add them to "
+                "recipe.dataflow.model_ids with a trainer each")
     wanted = dataflow.get("workflow", "single_turn")
     for i, raas in enumerate(recipe.get("raas") or []):
         path = (raas.get("workflow") or {}).get("class_path")

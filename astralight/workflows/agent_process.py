@@ -394,7 +394,8 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
                  chat_template_kwargs: dict | None = None, merge: bool = True,
                  max_parallel_agents: int = 128, agent_kwargs: dict | None = None,
                  failed_reward: float | None = 0.0, fail_fast: int = 8,
-                 role: str = "", endpoint: Any = None):
+                 role: str = "", endpoint: Any = None, team: list[str] | None = None,
+                 agent_rewards: bool = False):
         if (agent is None) == (command is None):
             raise ValueError("agent / command: give exactly one: agent (pkg.module:function, "
                              "run in python's worker) or command (a program run per episode)")
@@ -434,7 +435,7 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
                          chat_template_kwargs=chat_template_kwargs, merge=merge,
                          max_parallel_agents=max_parallel_agents, agent_kwargs=agent_kwargs,
                          failed_reward=failed_reward, fail_fast=fail_fast, role=role,
-                         endpoint=endpoint)
+                         endpoint=endpoint, team=team, agent_rewards=agent_rewards)
         self.stats["worker_restarts"] = 0
 
     def _init_agent(self, agent: Any) -> Any:
@@ -503,10 +504,10 @@ class ProcessAgentWorkflow(OpenAIAgentWorkflow):
     # -- episodes
 
     async def play(self, task: Any, messages: list[dict], engine: Any, model_id: str,
-                   slot: int) -> Any:
+                   slot: int, others: dict[str, Any] | None = None) -> Any:
         if self.command is None:  # start the worker first: its imports are not the episode's
             await self._worker_now()
-        return await super().play(task, messages, engine, model_id, slot)
+        return await super().play(task, messages, engine, model_id, slot, others=others)
 
     def _start_agent(self, view: dict, base_url: str, api_key: str, model: str,
                      name: str) -> Any:

@@ -41,6 +41,14 @@ and counted (:attr:`OpenAIAgentWorkflow.stats`); the calls it made are scored ``
 first ``fail_fast`` episodes all raise the same error, the workflow is broken
 (:class:`~astralight.workflows.base.BrokenWorkflowError`: the RaaS stops the run).
 
+An agent team (``team: [lead, teammate, ...]``) is one episode that calls several models by
+``model`` name, e.g. a supervisor and a worker: each call is served by the engine it names and
+recorded under that ``model_id``; the calls of each policy the task trains become that policy's
+samples (its own trainer learns from them, with the episode's reward, or the member's own reward
+when the agent returns one: ``agent_rewards``), and a member the RaaS does not register (a frozen
+model, e.g. a judge) is served and never trained. The agent is handed the lead's name as
+``model``; it knows its teammates' names from its own configuration (``agent_kwargs``).
+
 Samples (:func:`merge_calls`): the endpoint recorded every call's prompt and completion tokens.
 A call whose prompt token ids start with the tokens of an earlier segment (that segment's prompt,
 completions and everything between) extends it -- the usual case of an agent that appends the
@@ -149,6 +157,30 @@ def load_agent(agent: Any) -> Callable[..., Any]:
     return fn
 
 
+def member_rewards(value: Any, members: list[str]) -> tuple[Any, dict[str, float]]:
+    """An ``agent_rewards`` agent's return value, ``{"answer": ..., "rewards": {model_id:
+    float}}``, as (answer, rewards); ValueError naming the shape for anything else (the
+    agent's error: it is counted and scored as one). A command agent's stdout is read as JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, dict) or set(value) != {"answer", "rewards"} or not isinstance(
+            value["rewards"], dict):
+        raise ValueError(f"agent_rewards: the agent must return {{'answer': ..., 'rewards': "
+                         f"{{model_id: float}}}}, got {str(value)[:200]!r}")
+    rewards = {}
+    for model, r in value["rewards"].items():
+        if model not in members:
+            raise ValueError(f"agent_rewards: rewards names {model!r}, which this episode "
+                             f"does not serve ({members})")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or r != r:
+            raise ValueError(f"agent_rewards: rewards[{model!r}] must be a number, got {r!r}")
+        rewards[model] = float(r)
+    return value["answer"], rewards
+
+
 def answer_text(value: Any) -> str:
     """An agent's return value as the text the reward scores."""
     if value is None:
@@ -223,6 +255,7 @@ class EpisodeResult:
     reward: float = 0.0
     end: str = "answer"  # answer | error | timeout | no_calls
     error: str = ""  # how the agent failed: "ExceptionType: message" (error), or "timeout"
+    rewards: dict = field(default_factory=dict)  # a team member's own reward (agent_rewards)
 
 
 class OpenAIAgentWorkflow(Workflow):
@@ -262,6 +295,17 @@ class OpenAIAgentWorkflow(Workflow):
         role: the samples' role tag.
         endpoint: the :class:`~astralight.raas.openai_endpoint.OpenAIEndpoint` to serve through
             (default: the process's shared one, started on first use).
+        team: an agent team: the models (engines of this RaaS, by model_id) every episode may
+            call, the lead first (the ``model`` the agent is handed). A task plays ``task.n``
+            episodes, each calling any member; the calls of every policy in
+            ``task.model_ids`` become samples of that policy, and calls to any other member
+            (a frozen model, an engine the RaaS does not register) are served, never trained.
+            Every policy the task trains must be a member. None: one policy per episode (each
+            model in ``task.model_ids`` plays its own ``task.n`` episodes).
+        agent_rewards: the agent returns ``{"answer": text, "rewards": {model_id: float}}``: a
+            member named in ``rewards`` gets its own reward, the others share
+            ``reward(answer)``. Another return value is the agent's error. False: every
+            member's samples carry ``reward(answer)``.
     """
 
     name = "openai_agent"
@@ -273,7 +317,8 @@ class OpenAIAgentWorkflow(Workflow):
                  chat_template_kwargs: dict | None = None, merge: bool = True,
                  max_parallel_agents: int = 128, agent_kwargs: dict | None = None,
                  failed_reward: float | None = 0.0, fail_fast: int = 8,
-                 role: str = "", endpoint: Any = None):
+                 role: str = "", endpoint: Any = None, team: Sequence[str] | None = None,
+                 agent_rewards: bool = False):
         if not callable(reward):
             raise TypeError(f"reward: expected a Reward, got {type(reward).__name__}")
         if not timeout_s > 0:
@@ -305,6 +350,11 @@ class OpenAIAgentWorkflow(Workflow):
         self._first_ends: list[str] = []  # how the first fail_fast episodes ended ("" = answered)
         self.role = role
         self.endpoint = endpoint
+        if team is not None and (isinstance(team, str) or not team or len(set(team)) != len(team)
+                                 or not all(isinstance(m, str) and m for m in team)):
+            raise ValueError(f"team: a list of distinct model ids, the lead first, got {team!r}")
+        self.team = list(team) if team is not None else None
+        self.agent_rewards = bool(agent_rewards)
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> Semaphore
         #: counters over the workflow's life (episodes, failures, calls, samples)
         self.stats = {"episodes": 0, "agent_errors": 0, "agent_timeouts": 0, "no_calls": 0,
@@ -389,15 +439,37 @@ class OpenAIAgentWorkflow(Workflow):
 
     # -- episodes
 
+    def team_engines(self, task: Task, engines: dict[str, Any]) -> dict[str, Any]:
+        """``{model_id: engine}`` of the team, lead first; KeyError naming the fix for a
+        member this RaaS has no engine for, or a trained policy that is not a member."""
+        missing = [m for m in self.team if m not in engines]
+        if missing:
+            raise KeyError(f"team: no engine for {missing}; this RaaS serves {sorted(engines)} "
+                           "(a frozen member is an engine left out of the RaaS's model_ids)")
+        outside = [m for m in task.model_ids if m not in self.team]
+        if outside:
+            raise KeyError(f"team: task {task.task_id} trains {outside}, which the team "
+                           f"{self.team} never calls; add them to team")
+        return {m: engines[m] for m in self.team}
+
     async def run(self, task: Task, engines: dict[str, Any]) -> list[Sample]:
-        jobs = episode_jobs(task, engines)
+        others: dict[str, Any] = {}
+        if self.team is None:
+            jobs = episode_jobs(task, engines)
+        else:  # one episode per slot, led by the first member, calling any member
+            members = self.team_engines(task, engines)
+            lead, *rest = members
+            jobs = [(lead, members[lead], g) for g in range(task.n)]
+            others = {m: members[m] for m in rest}
         messages = task_messages(task, self.system_prompt)
-        played = await gather_all(*(self.play(task, messages, engine, model_id, g)
+        played = await gather_all(*(self.play(task, messages, engine, model_id, g, others=others)
                                     for model_id, engine, g in jobs))
         self.check_broken(task, played)
         samples: list[Sample] = []
         for (model_id, _, g), ep in zip(jobs, played):
-            samples += self.episode_samples(task, model_id, g, ep, len(samples))
+            for member in ([model_id] if self.team is None else self.team):
+                if member in task.model_ids:
+                    samples += self.episode_samples(task, member, g, ep, len(samples))
         self.stats["samples"] += len(samples)
         failed = [ep for ep in played if ep.end in ("error", "timeout")]
         if not samples and played and len(failed) == len(played):
@@ -423,7 +495,7 @@ class OpenAIAgentWorkflow(Workflow):
                 "fail_fast: 0 to keep going")
 
     async def play(self, task: Task, messages: list[dict], engine: Any, model_id: str,
-                   slot: int) -> EpisodeResult:
+                   slot: int, others: dict[str, Any] | None = None) -> EpisodeResult:
         """One agent run through its own endpoint episode; never raises for the agent's
         failures (they end it as ``error`` / ``timeout``)."""
         from astralight.raas.openai_endpoint import EpisodeSettings
@@ -444,16 +516,20 @@ class OpenAIAgentWorkflow(Workflow):
         if slots is None:
             slots = self._slots[loop] = asyncio.Semaphore(self.max_parallel_agents)
         async with slots:
-            return await self._play(task, view, endpoint, settings, engine, model_id, slot)
+            return await self._play(task, view, endpoint, settings, engine, model_id, slot,
+                                    others)
 
     async def _play(self, task: Task, view: dict, endpoint: Any, settings: Any, engine: Any,
-                    model_id: str, slot: int) -> EpisodeResult:
-        ep = endpoint.open_episode(engine, model_id, settings)
-        end, value, error = "answer", None, ""
+                    model_id: str, slot: int, others: dict[str, Any] | None = None
+                    ) -> EpisodeResult:
+        ep = endpoint.open_episode(engine, model_id, settings, others=others)
+        end, value, error, rewards = "answer", None, "", {}
         try:
             running = self._start_agent(view, endpoint.base_url(ep.id), ep.key, model_id,
                                         f"{task.task_id}-{slot}")
             value = await asyncio.wait_for(running, self.timeout_s)
+            if self.agent_rewards:
+                value, rewards = member_rewards(value, list(ep.engines))
         except asyncio.TimeoutError:
             end, error = "timeout", "timeout"
             self.stats["agent_timeouts"] += 1
@@ -489,6 +565,7 @@ class OpenAIAgentWorkflow(Workflow):
             return result
         result.answer = answer_text(value)
         result.reward = await self.score(result.answer, task.metadata)
+        result.rewards = rewards
         return result
 
     def episode_samples(self, task: Task, model_id: str, slot: int, ep: EpisodeResult,
@@ -498,19 +575,25 @@ class OpenAIAgentWorkflow(Workflow):
         if ep.end == "no_calls" or not ep.calls or (ep.end != "answer"
                                                     and self.failed_reward is None):
             return []
-        segments = merge_calls(ep.calls, self.merge)
-        self.stats["merged_calls"] += len(ep.calls) - len(segments)
+        calls = [r for r in ep.calls if r.model_id == model_id]  # a team member's own calls
+        if not calls:
+            return []
+        segments = merge_calls(calls, self.merge)
+        self.stats["merged_calls"] += len(calls) - len(segments)
         if task.kind == "eval" and segments:
-            last = ep.calls[-1].index
+            last = calls[-1].index
             segments = [s for s in segments if last in s.calls][-1:]
         errors = {k: 0 for k in ERROR_KINDS}
-        for r in ep.calls:
+        for r in calls:
             for kind, count in r.tool_call_errors.items():
                 errors[kind] = errors.get(kind, 0) + count
-        meta = {"episode": slot, "segments": len(segments), "turns": len(ep.calls),
+        meta = {"episode": slot, "segments": len(segments), "turns": len(calls),
                 "end": ep.end, "answer": ep.answer[:MAX_ANSWER_CHARS],
                 "agent_error": ep.error[:MAX_ANSWER_CHARS],
-                "tool_calls": sum(len(r.tool_calls) for r in ep.calls), "tool_errors": errors}
+                "tool_calls": sum(len(r.tool_calls) for r in calls), "tool_errors": errors}
+        if self.team is not None:  # how the episode's calls spread over the team
+            meta["team_calls"] = {m: sum(r.model_id == m for r in ep.calls) for m in self.team}
+        reward = ep.rewards.get(model_id, ep.reward)
         out = []
         for j, seg in enumerate(segments):
             out.append(Sample(
@@ -519,11 +602,11 @@ class OpenAIAgentWorkflow(Workflow):
                 logprobs=np.asarray(seg.logprobs, dtype=np.float32),
                 loss_mask=np.asarray(seg.loss_mask, dtype=np.uint8),
                 versions=np.asarray(seg.versions, dtype=np.int32),
-                reward=float(ep.reward), prompt_len=seg.prompt_len, group_index=slot,
+                reward=float(reward), prompt_len=seg.prompt_len, group_index=slot,
                 role=self.role,
                 metadata={**meta, "segment": j, "calls": len(seg.calls),
                           "temperature": seg.temperature,
-                          **_constrained(ep.calls, seg.calls)}))
+                          **_constrained(calls, seg.calls)}))
         return out
 
     async def score(self, text: str, metadata: dict) -> float:
