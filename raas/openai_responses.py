@@ -94,7 +94,11 @@ def _input_messages(value: Any) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}.call_id", "must be a string")
             output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
+            if isinstance(output, list):  # input_text parts (the Agents SDK sends an MCP
+                # tool's result so): their text, as the tool message a chat client would send
+                text = "".join(p["text"] for p in _text_parts(output, f"{where}.output"))
+            else:
+                text = output if isinstance(output, str) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         else:
             raise bad_request(f"{where}.type", f"{kind!r} items are not supported (message, "

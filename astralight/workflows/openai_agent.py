@@ -181,6 +181,16 @@ def member_rewards(value: Any, members: list[str]) -> tuple[Any, dict[str, float
     return value["answer"], rewards
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Type: message``; for an exception group (an agent's ``TaskGroup``, e.g. an MCP
+    client's), also its first leaf exception, which says what actually failed."""
+    text = f"{type(exc).__name__}: {exc}"
+    leaf = exc
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+        leaf = leaf.exceptions[0]
+    return text if leaf is exc else f"{text} (first: {type(leaf).__name__}: {leaf})"
+
+
 def answer_text(value: Any) -> str:
     """An agent's return value as the text the reward scores."""
     if value is None:
@@ -540,7 +550,7 @@ class OpenAIAgentWorkflow(Workflow):
             raise  # the agent cannot run at all (out of process: it does not import)
         except Exception as exc:  # noqa: BLE001 - the user's agent failed: counted, not fatal
             # an agent in another process raised there: its own type, message and traceback
-            error = getattr(exc, "agent_error", "") or f"{type(exc).__name__}: {exc}"
+            error = getattr(exc, "agent_error", "") or describe_error(exc)
             end = "error"
             self.stats["agent_errors"] += 1
             child_tb = getattr(exc, "agent_traceback", "")

@@ -16,32 +16,17 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.integration.example_runs import ROOT, run_example, short_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "agents" / "team"
 VERSIONS = 10
 RISE = 0.10  # the held-out accuracy each policy must gain by VERSIONS (measured: see the README)
-
-
-def _short_recipe(tmp_path: Path) -> Path:
-    recipe = yaml.safe_load((EXAMPLE / "recipe.yaml").read_text())
-    recipe["pythonpath"] = [str(EXAMPLE)]
-    recipe["stop"]["versions"] = VERSIONS
-    for trainer in recipe["trainers"]:
-        trainer["trainer"]["max_steps"] = VERSIONS
-    recipe["dataflow"]["eval"]["every"] = VERSIONS
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
 
 
 def test_a_langgraph_team_trains_both_of_its_policies(tmp_path):
@@ -51,12 +36,7 @@ def test_a_langgraph_team_trains_both_of_its_policies(tmp_path):
     from astralight.report.viewer import ViewerCaps, load_rollouts
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "astralight.cli", "run", "--run-dir",
-                           str(run_dir), str(_short_recipe(tmp_path))],
-                          capture_output=True, text=True, timeout=5400, cwd=ROOT)
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_example(short_recipe(EXAMPLE, tmp_path, VERSIONS), run_dir)
     assert summary["stop_reason"] == "versions" and summary["versions"] == VERSIONS, summary
     policies = summary["policies"]
     print(json.dumps(policies))

@@ -1,0 +1,90 @@
+"""Shared by the slow tests that run a shipped example as a user does: its recipe shortened to a
+few versions, ``astralight run`` in a subprocess, and the run's summary.
+
+Examples whose ``prepare`` step is the same (the same function and arguments: the calculator
+toy's 800-step warm start serves examples/openai_agent, agents/team and agents/openai_agents_sdk)
+build it once per test session; each run folder gets hard links to it, which the launcher reuses
+as it reuses any prepared ``models/init`` (minutes of CI saved per example after the first)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+_WARM_STARTS: dict[str, Path] = {}  # the prepare section, as JSON -> its models/init
+
+
+def short_recipe(example: Path, tmp_path: Path, versions: int, name: str = "recipe.yaml") -> Path:
+    """``example/name`` with ``versions`` versions (every trainer's ``max_steps`` too), one
+    evaluation at the end besides version 0, and its ``pythonpath`` made absolute, written to
+    ``tmp_path``. ``extends`` is resolved first."""
+    from astralight.launch.recipe import load_recipe
+
+    recipe = load_recipe(example / name)
+    recipe["stop"]["versions"] = versions
+    for trainer in recipe["trainers"]:
+        trainer["trainer"]["max_steps"] = versions
+    recipe["dataflow"]["eval"]["every"] = versions
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def shared_warm_start(recipe: dict) -> Path | None:
+    """The recipe's prepared ``models/init``, built on first use in this session (None: the
+    recipe has no ``prepare`` step)."""
+    from astralight.launch import prepare_initial_model
+    from astralight.launch.recipe import substitute
+
+    if not recipe.get("prepare"):
+        return None
+    key = json.dumps(recipe["prepare"], sort_keys=True)
+    if key not in _WARM_STARTS:
+        folder = Path(tempfile.mkdtemp(prefix="astralight-warm-start-"))
+        atexit.register(shutil.rmtree, folder, True)
+        prepare_initial_model(substitute(recipe, {"run_dir": folder,
+                                                  "seed": recipe.get("seed", 0)}), folder)
+        _WARM_STARTS[key] = folder / "models" / "init"
+    return _WARM_STARTS[key]
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for path in src.rglob("*"):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target) if path.is_symlink() else target.hardlink_to(path)
+
+
+def launch(recipe: Path, run_dir: Path, timeout_s: float = 5400,
+           share_warm_start: bool = True) -> subprocess.CompletedProcess:
+    """``astralight run`` on ``recipe`` (with the session's shared warm start in
+    ``run_dir/models/init`` when ``share_warm_start``), to its end."""
+    if share_warm_start:
+        init = shared_warm_start(yaml.safe_load(recipe.read_text()))
+        if init is not None:
+            _link_tree(init, run_dir / "models" / "init")
+    proc = subprocess.run([sys.executable, "-m", "astralight.cli", "run", "--run-dir",
+                           str(run_dir), str(recipe)],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    print(proc.stdout[-3000:])
+    return proc
+
+
+def run_example(recipe: Path, run_dir: Path, timeout_s: float = 5400,
+                share_warm_start: bool = True) -> dict:
+    """:func:`launch`; asserts exit 0 and returns ``summary.json``."""
+    proc = launch(recipe, run_dir, timeout_s, share_warm_start)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())

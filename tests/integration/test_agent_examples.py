@@ -1,0 +1,106 @@
+"""The framework agents of examples/agents/ trained briefly, as a user runs them: ``astralight run``
+on each shipped recipe with fewer versions, real vLLM on CPU.
+
+- ``openai_agents_sdk``: the OpenAI Agents SDK on its default provider (the Responses API, the
+  SDK's per-process HTTP client);
+- ``mcp_tools``: the same SDK with its ``add`` tool behind an MCP server (stdio);
+- ``anthropic_client``: the ``anthropic`` client on the Messages API.
+
+(The LangGraph team is tests/integration/test_agent_team_example.py.) All three share the
+calculator toy's warm start, built once for the session (tests/integration/example_runs.py).
+
+And a broken agent (one that raises the same error in every episode) stops ``astralight run``
+with the agent's error on the terminal, and nothing is restarted.
+
+Checked for each: the run ends on its versions with no agent failing; held-out accuracy rises by
+10 points from the version-0 evaluation to the last; the stored samples of episodes that called
+``add`` carry its result as masked tokens after trained completions, never as trained tokens,
+and each stored sample's conversation is its own task's. Slow (a warm start, then a run each).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+
+import yaml
+
+import numpy as np
+import pytest
+
+from tests.integration.example_runs import ROOT, launch, run_example, short_recipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+VERSIONS = 10
+RISE = 0.10
+
+
+@pytest.mark.parametrize("example", ["openai_agents_sdk", "mcp_tools", "anthropic_client"])
+def test_a_framework_agent_learns_through_the_endpoint(example, tmp_path):
+    from transformers import AutoTokenizer
+
+    from astralight.protocol import decode
+    from astralight.report.viewer import ViewerCaps, load_rollouts
+
+    run_dir = tmp_path / "run"
+    summary = run_example(short_recipe(ROOT / "examples" / "agents" / example, tmp_path,
+                                       VERSIONS), run_dir)
+    assert summary["stop_reason"] == "versions" and summary["versions"] == VERSIONS, summary
+    start, end = summary["eval_accuracy_start"], summary["eval_accuracy_end"]
+    print(json.dumps({"example": example, "eval_start": start, "eval_end": end,
+                      "tool_call_rate": [summary.get("tool_call_rate_start"),
+                                         summary.get("tool_call_rate_end")],
+                      "agents_failed": summary.get("agents_failed")}))
+    assert summary["agents_failed"] == {"error": 0, "timeout": 0}, summary["agents_failed"]
+    assert end - start >= RISE, f"{example}: held-out accuracy {start} -> {end}"
+
+    tok = AutoTokenizer.from_pretrained(run_dir / "models" / "init")
+    db = run_dir / "dataflow" / "dataflow.db"
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        prompts = {tid: decode(bytes(p)).prompt
+                   for tid, p in conn.execute("SELECT task_id, payload FROM tasks")}
+    stored = [s.sample for s in load_rollouts(db, ViewerCaps(versions=VERSIONS + 1,
+                                                             samples=64)).samples]
+    assert stored
+    for s in stored:  # its own task's conversation, and no other sum
+        assert set(re.findall(r"\d+\+\d+=", tok.decode(s.token_ids.tolist()))) == {
+            prompts[s.task_id]}
+    with_tools = [s for s in stored if s.metadata.get("tool_calls", 0) > 0
+                  and s.metadata.get("segments") == 1]
+    assert with_tools, "no stored episode called the add tool"
+    numbers = 0  # tool results that reached the model as the plain number (not a JSON dump)
+    for s in with_tools:
+        mask = s.loss_mask.astype(bool)
+        after_prompt = np.arange(s.num_tokens) >= s.prompt_len
+        masked = tok.decode(s.token_ids[~mask & after_prompt].tolist())
+        assert "<tool_response>" in masked
+        numbers += bool(re.search(r"<tool_response>\n-?\d+\n</tool_response>", masked))
+        assert "<tool_response>" not in tok.decode(s.token_ids[mask].tolist())
+    assert numbers, "no tool result reached the model as a number"
+
+
+BROKEN_AGENT = '''
+def broken_agent(task, base_url, api_key, model, **kwargs):
+    raise RuntimeError("the agent's tool registry is empty (a deployment bug)")
+'''
+
+
+def test_a_broken_agent_stops_the_run_with_its_error_on_the_terminal(tmp_path):
+    folder = tmp_path / "agent"
+    folder.mkdir()
+    (folder / "broken.py").write_text(BROKEN_AGENT)
+    path = short_recipe(ROOT / "examples" / "openai_agent", tmp_path, VERSIONS)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["pythonpath"] = [str(folder)]
+    recipe["raas"][0]["workflow"]["init_args"]["agent"] = "broken.broken_agent"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    start = time.monotonic()
+    proc = launch(path, tmp_path / "run", timeout_s=900)
+    print(json.dumps({"broken_agent_run_s": round(time.monotonic() - start, 1)}))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "the agent's tool registry is empty (a deployment bug)" in out, out[-3000:]
+    assert "fail_fast" in out and "restarted raas" not in out, out[-3000:]
