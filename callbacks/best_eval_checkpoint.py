@@ -12,6 +12,13 @@ checkpoint taken then would be labelled with another version's accuracy. So this
    version whose evaluation is complete it keeps the checkpoint as ``best.ckpt`` (with
    ``best.json``: version, avg@k) when it beats the best so far, and deletes it otherwise.
 
+The fit's last version is evaluated at the end whatever ``eval.every`` says (the launcher's final
+evaluation), so its checkpoint is saved too, and at the end of fit the callback asks for that
+evaluation and waits for the pending ones, up to ``wait_final_eval_s``: in a run, the last
+version is often the best. A saved version the dataflow never evaluates (a WeightPublisher that
+fell behind publishes only its newest snapshot, so the version it skipped is never published) is
+deleted once a later version has been scheduled for evaluation.
+
 So the disk holds ``best.ckpt`` and the checkpoints still waiting for their evaluation. A run that
 collapses (the launcher's run guard, ``guard.stop: true``) ends with its best version's
 checkpoint kept, like Lightning's ``EarlyStopping`` with ``ModelCheckpoint``; ``astralight
@@ -24,12 +31,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 
 from astralight.atomic_files import atomic_write_bytes
 from astralight.dataflow.client import LazyDataflowClient
+
+from .final_eval import request_final_eval
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +60,24 @@ class BestEvalCheckpoint(LazyDataflowClient, pl.Callback):
         model_id: the policy (default: the module's ``model_id``).
         every_n_steps: read the eval results every this many optimizer steps.
         eval_every: versions between evaluations (default: the dataflow's ``eval.every``).
+        wait_final_eval_s: at the end of fit, wait up to this long for the pending evaluations
+            (the last version's included) before settling them (0: settle what is known).
         token: bearer token (default: env ``ASTRALIGHT_TOKEN``).
     """
 
     def __init__(self, dirpath: str, dataflow_url: str | None = None,
                  model_id: str | None = None, every_n_steps: int = 5,
-                 eval_every: int | None = None, token: str | None = None):
+                 eval_every: int | None = None, wait_final_eval_s: float = 120.0,
+                 token: str | None = None):
         super().__init__()
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps: must be >= 1, got {every_n_steps}")
         if eval_every is not None and eval_every < 1:
             raise ValueError(f"eval_every: versions, must be >= 1 (or unset: the dataflow's "
                              f"eval.every), got {eval_every}")
+        if wait_final_eval_s < 0:
+            raise ValueError(f"wait_final_eval_s: seconds, must be >= 0, got {wait_final_eval_s}")
+        self.wait_final_eval_s = float(wait_final_eval_s)
         self.dirpath = Path(dirpath)
         self.dataflow_url, self.model_id, self.token = dataflow_url, model_id, token
         self.every_n_steps, self.eval_every = every_n_steps, eval_every
@@ -113,7 +129,35 @@ class BestEvalCheckpoint(LazyDataflowClient, pl.Callback):
             self.settle(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.settle(trainer)
+        """Save the last version's checkpoint too: it is evaluated at the end of a run."""
+        step = trainer.global_step
+        version = step // self.steps_per_version
+        if (step and step % self.steps_per_version == 0 and version not in self.pending
+                and (self.best or {}).get("version") != version
+                and self._eval_every() is not None):
+            trainer.save_checkpoint(self.dirpath / pending_name(version))
+            self.pending.add(version)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Ask for the last version's evaluation, wait up to ``wait_final_eval_s`` for the
+        pending ones, and settle them."""
+        if trainer.global_rank != 0:
+            return
+        last = trainer.global_step // self.steps_per_version
+        deadline = time.monotonic() + self.wait_final_eval_s
+        asked = last not in self.pending
+        while True:
+            self.settle(trainer)
+            if not self.pending or time.monotonic() >= deadline:
+                break
+            if not asked:
+                asked = request_final_eval(self.client, self.model_id, last,
+                                           "BestEvalCheckpoint") is not False
+            time.sleep(1.0)
+        if self.pending:
+            log.warning("BestEvalCheckpoint: the evaluation of version(s) %s did not complete "
+                        "within wait_final_eval_s=%g s; their checkpoints are left in %s",
+                        sorted(self.pending), self.wait_final_eval_s, self.dirpath)
 
     def settle(self, trainer: pl.Trainer) -> None:
         """Keep or delete every pending checkpoint whose version's evaluation is complete."""
@@ -124,8 +168,16 @@ class BestEvalCheckpoint(LazyDataflowClient, pl.Callback):
         except Exception as exc:  # noqa: BLE001 - the next look tries again
             log.warning("BestEvalCheckpoint: eval results not read (%s)", exc)
             return
+        scheduled = [int(v) for v in evals]
         for version in sorted(self.pending):
             result = evals.get(version)
+            if result is None and any(v > version for v in scheduled):
+                # never published (the publisher skipped it), so never evaluated
+                self.pending.discard(version)
+                (self.dirpath / pending_name(version)).unlink(missing_ok=True)
+                log.info("BestEvalCheckpoint: version %d was not evaluated (a later one was; "
+                         "the publisher skipped it): its checkpoint deleted", version)
+                continue
             if not result or not result.get("complete"):
                 continue
             self.pending.discard(version)

@@ -37,6 +37,7 @@ import lightning.pytorch as pl
 from astralight.dataflow.client import LazyDataflowClient
 
 from . import eval_table
+from .final_eval import request_final_eval
 
 log = logging.getLogger(__name__)
 
@@ -321,24 +322,8 @@ class DataflowMonitor(LazyDataflowClient, pl.Callback):
         self.close_client()
 
     def _request_final_eval(self, version: int) -> bool | None:
-        """Ask the dataflow to evaluate ``version``, the trainer's last, whatever ``eval.every``
-        says (``POST /v1/eval``): without it a fit that ends between two multiples of
-        ``eval.every`` (``max_time``, a stop by SIGTERM) waited ``wait_final_eval_s`` for an
-        evaluation never scheduled. True once accepted; False to ask again (the version is not
-        published yet, the service does not answer); None when the service has no eval source."""
-        from astralight.dataflow.client import DataflowError
-
-        try:
-            self.client.request_eval(self.model_id, version)
-            return True
-        except DataflowError as exc:
-            if exc.status == 409 and exc.field == "eval":
-                return None
-            log.debug("DataflowMonitor: eval of version %d not scheduled yet (%s)", version, exc)
-            return False
-        except Exception as exc:  # monitoring must never stop training
-            log.debug("DataflowMonitor: eval of version %d not requested (%s)", version, exc)
-            return False
+        """:func:`~.final_eval.request_final_eval` of ``version``, the trainer's last."""
+        return request_final_eval(self.client, self.model_id, version, "DataflowMonitor")
 
     # ------------------------------------------------------------------ checkpointing
 
