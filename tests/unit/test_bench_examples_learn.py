@@ -53,6 +53,20 @@ def test_goals_per_run():
     late = {**rose, "eval_accuracy_end": 0.3, "wall_s": 1900}
     assert bench.goal_met("smollm2_math", late) == {"rise_at_least": False, "within_s": False,
                                                     "hold": False, "rose": True}
+    # the tool variant (an example's other recipe, NAME/VARIANT): the tool-call rate must rise too
+    calls = {**rose, "tool_call_rate_start": 0.34, "tool_call_rate_end": 1.0}
+    assert bench.goal_met("smollm2_math/tools", calls) == {
+        "rise_at_least": True, "tool_calls_rise": True, "hold": True, "rose": True}
+    assert bench.goal_met("smollm2_math/tools", {**calls, "tool_call_rate_end": 0.2})[
+        "tool_calls_rise"] is False
+
+
+def test_a_variant_names_an_examples_other_recipe():
+    assert bench.example_path("toy").name == "recipe.yaml"
+    assert bench.example_path("smollm2_math/tools") == bench.EXAMPLES / "smollm2_math" / "tools.yaml"
+    assert bench.example_recipe("smollm2_math/tools")["name"] == "smollm2_tools"
+    with pytest.raises(SystemExit, match="or NAME/VARIANT for examples/NAME/VARIANT.yaml"):
+        bench.example_recipe("smollm2_math/nope")
 
 
 def test_the_summary_holds_every_seed_of_a_cell_and_fails_a_goal_if_one_seed_does():
