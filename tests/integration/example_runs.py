@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 _WARM_STARTS: dict[str, Path] = {}  # the prepare section, as JSON -> its models/init
 
 
-def short_recipe(example: Path, tmp_path: Path, versions: int, name: str = "recipe.yaml") -> Path:
+def short_recipe(example: Path, tmp_path: Path, versions: int, name: str = "recipe.yaml",
+                 eval_size: int | None = None, eval_k: int | None = None) -> Path:
     """``example/name`` with ``versions`` versions (every trainer's ``max_steps`` too), one
-    evaluation at the end besides version 0, and its ``pythonpath`` made absolute, written to
-    ``tmp_path``. ``extends`` is resolved first."""
+    evaluation at the end besides version 0 (of ``eval_size`` prompts x ``eval_k`` samples when
+    given: a smaller eval than the example's own costs CI less), and its ``pythonpath`` made
+    absolute, written to ``tmp_path``. ``extends`` is resolved first."""
     from astralight.launch.recipe import load_recipe
 
     recipe = load_recipe(example / name)
@@ -33,6 +35,10 @@ def short_recipe(example: Path, tmp_path: Path, versions: int, name: str = "reci
     for trainer in recipe["trainers"]:
         trainer["trainer"]["max_steps"] = versions
     recipe["dataflow"]["eval"]["every"] = versions
+    if eval_size is not None:
+        recipe["dataflow"]["eval"]["source"]["init_args"]["eval_size"] = eval_size
+    if eval_k is not None:
+        recipe["dataflow"]["eval"]["k"] = eval_k
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
