@@ -6,7 +6,8 @@ virtualenv's interpreter (ProcessAgentWorkflow), every model call through verifi
 server to the RaaS's endpoint and vLLM.
 
 Checked: the run ends on its versions with no agent failing; held-out accuracy rises from the
-version-0 evaluation to the last (by 10 points); the stored samples of episodes that called the ``add`` tool
+version-0 evaluation to the last (by 10 points); each stored sample's conversation is its own
+task's (no other episode's sum in it); the stored samples of episodes that called the ``add`` tool
 carry its results as masked tokens (loss mask 0) between trained completions, and no trained
 token is a tool result. Slow (the warm start and the run, tens of minutes on two busy cores).
 """
@@ -14,6 +15,8 @@ token is a tool result. Slow (the warm start and the run, tens of minutes on two
 from __future__ import annotations
 
 import json
+import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +46,7 @@ def _short_recipe(tmp_path: Path) -> Path:
 def test_verifiers_environment_trains_through_an_agent_out_of_process(tmp_path):
     from transformers import AutoTokenizer
 
+    from astralight.protocol import decode
     from astralight.report.viewer import ViewerCaps, load_rollouts
 
     run_dir = tmp_path / "run"
@@ -59,8 +63,15 @@ def test_verifiers_environment_trains_through_an_agent_out_of_process(tmp_path):
     assert end - start >= 0.10, f"held-out accuracy did not rise 10 points: {start} -> {end}"
 
     tok = AutoTokenizer.from_pretrained(run_dir / "models" / "init")
-    stored = load_rollouts(run_dir / "dataflow" / "dataflow.db",
-                           ViewerCaps(versions=VERSIONS + 1, samples=64)).samples
+    db = run_dir / "dataflow" / "dataflow.db"
+    stored = load_rollouts(db, ViewerCaps(versions=VERSIONS + 1, samples=64)).samples
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        prompts = {tid: decode(bytes(p)).prompt
+                   for tid, p in conn.execute("SELECT task_id, payload FROM tasks")}
+    assert stored
+    for s in stored:  # its own task's conversation, and no other sum (issue 39)
+        assert set(re.findall(r"\d+\+\d+=", tok.decode(s.sample.token_ids.tolist()))) == {
+            prompts[s.sample.task_id]}
     with_tools = [s.sample for s in stored if s.sample.metadata.get("tool_calls", 0) > 0
                   and s.sample.metadata.get("segments") == 1]
     assert with_tools, "no stored episode called the add tool"
