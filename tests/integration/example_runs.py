@@ -1,5 +1,6 @@
 """Shared by the slow tests that run a shipped example as a user does: its recipe shortened to a
-few versions, ``astralight run`` in a subprocess, and the run's summary.
+few versions, ``astralight run`` in a subprocess, the run's summary, and the check that every
+stored sample holds its own task's conversation only.
 
 Examples whose ``prepare`` step is the same (the same function and arguments: the calculator
 toy's 800-step warm start serves examples/openai_agent, agents/team and agents/openai_agents_sdk)
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -94,3 +98,29 @@ def run_example(recipe: Path, run_dir: Path, timeout_s: float = 5400,
     proc = launch(recipe, run_dir, timeout_s, share_warm_start)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((run_dir / "summary.json").read_text())
+
+
+SUM = r"\d+\+\d+="  # a calculator task's prompt ("123+456=")
+
+
+def stored_samples(run_dir: Path, versions: int, limit: int) -> tuple[Any, list]:
+    """The run's tokenizer and up to ``limit`` of its stored samples (the newest versions'),
+    each checked to hold its own task's conversation only: the one sum in its tokens is its
+    task's prompt, so no sample carries another episode's calls (issue 39)."""
+    from transformers import AutoTokenizer
+
+    from astralight.protocol import decode
+    from astralight.report.viewer import ViewerCaps, load_rollouts
+
+    tok = AutoTokenizer.from_pretrained(run_dir / "models" / "init")
+    db = run_dir / "dataflow" / "dataflow.db"
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        prompts = {tid: decode(bytes(p)).prompt
+                   for tid, p in conn.execute("SELECT task_id, payload FROM tasks")}
+    stored = [s.sample for s in load_rollouts(db, ViewerCaps(versions=versions + 1,
+                                                             samples=limit)).samples]
+    assert stored, f"no stored sample in {db}"
+    for s in stored:
+        text = tok.decode(s.token_ids.tolist())
+        assert set(re.findall(SUM, text)) == {prompts[s.task_id]}, (s.model_id, text)
+    return tok, stored

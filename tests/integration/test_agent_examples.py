@@ -12,7 +12,8 @@ calculator toy's warm start, built once for the session (tests/integration/examp
 And a broken agent (one that raises the same error in every episode) stops ``astralight run``
 with the agent's error on the terminal, and nothing is restarted.
 
-Checked for each: the run ends on its versions with no agent failing; held-out accuracy (100
+Checked for each: the run ends on its versions with at most 2% of its episodes failed (a
+policy's failure, scored 0, e.g. arguments its tool cannot read; none timed out); held-out accuracy (100
 sums, avg@2: a quarter of the example's own eval, for CI's time) rises by 10 points from the
 version-0 evaluation to the last; the stored samples of episodes that called
 ``add`` carry its result as masked tokens after trained completions, never as trained tokens,
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
 
 import yaml
@@ -31,7 +31,8 @@ import yaml
 import numpy as np
 import pytest
 
-from tests.integration.example_runs import ROOT, launch, run_example, short_recipe
+from tests.integration.example_runs import (ROOT, launch, run_example, short_recipe,
+                                            stored_samples)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -41,11 +42,6 @@ RISE = 0.10
 
 @pytest.mark.parametrize("example", ["openai_agents_sdk", "mcp_tools", "anthropic_client"])
 def test_a_framework_agent_learns_through_the_endpoint(example, tmp_path):
-    from transformers import AutoTokenizer
-
-    from astralight.protocol import decode
-    from astralight.report.viewer import ViewerCaps, load_rollouts
-
     run_dir = tmp_path / "run"
     summary = run_example(short_recipe(ROOT / "examples" / "agents" / example, tmp_path,
                                        VERSIONS, eval_size=100, eval_k=2), run_dir)
@@ -55,20 +51,13 @@ def test_a_framework_agent_learns_through_the_endpoint(example, tmp_path):
                       "tool_call_rate": [summary.get("tool_call_rate_start"),
                                          summary.get("tool_call_rate_end")],
                       "agents_failed": summary.get("agents_failed")}))
-    assert summary["agents_failed"] == {"error": 0, "timeout": 0}, summary["agents_failed"]
+    # a failed episode is the policy's (e.g. arguments the tool cannot read), scored 0; a
+    # systematic failure (the framework not working through the endpoint) would be most of them
+    failed, episodes = summary["agents_failed"], summary["counters"]["agent_episodes"]
+    assert failed["timeout"] == 0 and failed["error"] <= 0.02 * episodes, (failed, episodes)
     assert end - start >= RISE, f"{example}: held-out accuracy {start} -> {end}"
 
-    tok = AutoTokenizer.from_pretrained(run_dir / "models" / "init")
-    db = run_dir / "dataflow" / "dataflow.db"
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        prompts = {tid: decode(bytes(p)).prompt
-                   for tid, p in conn.execute("SELECT task_id, payload FROM tasks")}
-    stored = [s.sample for s in load_rollouts(db, ViewerCaps(versions=VERSIONS + 1,
-                                                             samples=64)).samples]
-    assert stored
-    for s in stored:  # its own task's conversation, and no other sum
-        assert set(re.findall(r"\d+\+\d+=", tok.decode(s.token_ids.tolist()))) == {
-            prompts[s.task_id]}
+    tok, stored = stored_samples(run_dir, VERSIONS, 64)  # each its own task's conversation
     with_tools = [s for s in stored if s.metadata.get("tool_calls", 0) > 0
                   and s.metadata.get("segments") == 1]
     assert with_tools, "no stored episode called the add tool"

@@ -44,7 +44,10 @@ async def mcp_agent(task: dict, base_url: str, api_key: str, model: str, max_tur
                   mcp_servers=[await calculator_server()],
                   model_settings=ModelSettings(temperature=1.0, max_tokens=max_tokens))
     config = RunConfig(model_provider=OpenAIProvider(base_url=base_url, api_key=api_key),
-                       tracing_disabled=True)
+                       tracing_disabled=True,
+                       # a misspelt tool name goes back to the model as an error, as the other
+                       # examples' tool runners do (the SDK's default raises ModelBehaviorError)
+                       tool_not_found_behavior="return_error_to_model")
     try:
         result = await Runner.run(agent, task["prompt"], run_config=config, max_turns=max_turns)
     except MaxTurnsExceeded:  # the policy kept calling the tool: a wrong answer, not a crash
