@@ -168,10 +168,10 @@ class BestEvalCheckpoint(LazyDataflowClient, pl.Callback):
         except Exception as exc:  # noqa: BLE001 - the next look tries again
             log.warning("BestEvalCheckpoint: eval results not read (%s)", exc)
             return
-        scheduled = [int(v) for v in evals]
+        newest = max(map(int, evals), default=-1)  # the newest version scheduled for eval
         for version in sorted(self.pending):
             result = evals.get(version)
-            if result is None and any(v > version for v in scheduled):
+            if result is None and newest > version:
                 # never published (the publisher skipped it), so never evaluated
                 self.pending.discard(version)
                 (self.dirpath / pending_name(version)).unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import re
 import shutil
 import sqlite3
@@ -66,17 +67,6 @@ def shared_warm_start(recipe: dict) -> Path | None:
     return _WARM_STARTS[key]
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for path in src.rglob("*"):
-        target = dst / path.relative_to(src)
-        if path.is_dir():
-            target.mkdir(exist_ok=True)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target) if path.is_symlink() else target.hardlink_to(path)
-
-
 def launch(recipe: Path, run_dir: Path, timeout_s: float = 5400,
            share_warm_start: bool = True) -> subprocess.CompletedProcess:
     """``astralight run`` on ``recipe`` (with the session's shared warm start in
@@ -84,7 +74,8 @@ def launch(recipe: Path, run_dir: Path, timeout_s: float = 5400,
     if share_warm_start:
         init = shared_warm_start(yaml.safe_load(recipe.read_text()))
         if init is not None:
-            _link_tree(init, run_dir / "models" / "init")
+            # hard links (the session's temporary folder and tmp_path share a file system)
+            shutil.copytree(init, run_dir / "models" / "init", copy_function=os.link)
     proc = subprocess.run([sys.executable, "-m", "astralight.cli", "run", "--run-dir",
                            str(run_dir), str(recipe)],
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)

@@ -26,9 +26,7 @@ import numpy as np
 import pytest
 
 from astralight.protocol import Task
-from astralight.raas.openai_endpoint import OpenAIEndpoint
 from astralight.rewards.toy import ExactMatchReward
-from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.agent_process import RUNNER, ProcessAgentWorkflow
 from astralight.workflows.base import BrokenWorkflowError, TaskFailedError
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow
@@ -38,18 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 AGENTS = Path(__file__).resolve().parent / "process_agents" / "agents.py"
 CLI = Path(__file__).resolve().parent / "process_agents" / "cli_agent.py"
 EXAMPLE_AGENT = ROOT / "examples" / "openai_agent" / "agent.py"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = OpenAIEndpoint().start()
-    yield ep
-    ep.close()
 
 
 @pytest.fixture

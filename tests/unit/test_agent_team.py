@@ -21,26 +21,12 @@ import yaml
 from astralight.launch.check import check_recipe
 from astralight.launch.recipe import RecipeError
 from astralight.protocol import Task
-from astralight.raas.openai_endpoint import OpenAIEndpoint
 from astralight.rewards.toy import ExactMatchReward
-from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.openai_agent import OpenAIAgentWorkflow
 from tests.unit.engine_fakes import PromptScriptEngine, run_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 TEAM = ["supervisor", "worker", "judge"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = OpenAIEndpoint().start()
-    yield ep
-    ep.close()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 
 from astralight.agents.chat import encode, render
 from astralight.protocol import Task
-from astralight.raas.openai_endpoint import EpisodeSettings, OpenAIEndpoint
+from astralight.raas.openai_endpoint import EpisodeSettings
 from astralight.rewards.toy import ExactMatchReward
 from astralight.trainer.tinymodel import build_chat_tokenizer
 from astralight.workflows.base import TaskFailedError
@@ -43,18 +43,6 @@ def _example_agent():
 
 
 EXAMPLE = _example_agent()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = OpenAIEndpoint().start()
-    yield ep
-    ep.close()
 
 
 @pytest.fixture
