@@ -115,3 +115,23 @@ def stored_samples(run_dir: Path, versions: int, limit: int) -> tuple[Any, list]
         text = tok.decode(s.token_ids.tolist())
         assert set(re.findall(SUM, text)) == {prompts[s.task_id]}, (s.model_id, text)
     return tok, stored
+
+
+def masked_tool_results(tok, stored: list) -> list[str]:
+    """The masked text after the prompt of every stored single-segment episode that called a
+    tool, each checked to hold its tool results (``<tool_response>``) masked and none trained;
+    asserts there is at least one such episode."""
+    import numpy as np
+
+    with_tools = [s for s in stored if s.metadata.get("tool_calls", 0) > 0
+                  and s.metadata.get("segments") == 1]
+    assert with_tools, "no stored episode called the add tool"
+    out = []
+    for s in with_tools:
+        mask = s.loss_mask.astype(bool)
+        after_prompt = np.arange(s.num_tokens) >= s.prompt_len
+        masked = tok.decode(s.token_ids[~mask & after_prompt].tolist())
+        assert "<tool_response>" in masked
+        assert "<tool_response>" not in tok.decode(s.token_ids[mask].tolist())
+        out.append(masked)
+    return out

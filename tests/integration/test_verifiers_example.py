@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from tests.integration.example_runs import ROOT, run_example, short_recipe, stored_samples
+from tests.integration.example_runs import (ROOT, masked_tool_results, run_example,
+                                            short_recipe, stored_samples)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -39,11 +39,4 @@ def test_verifiers_environment_trains_through_an_agent_out_of_process(tmp_path):
     assert end - start >= 0.10, f"held-out accuracy did not rise 10 points: {start} -> {end}"
 
     tok, stored = stored_samples(run_dir, VERSIONS, 64)  # each its own task's conversation
-    with_tools = [s for s in stored if s.metadata.get("tool_calls", 0) > 0
-                  and s.metadata.get("segments") == 1]
-    assert with_tools, "no stored episode called the add tool"
-    for s in with_tools:
-        mask = s.loss_mask.astype(bool)
-        after_prompt = np.arange(s.num_tokens) >= s.prompt_len
-        assert "<tool_response>" in tok.decode(s.token_ids[~mask & after_prompt].tolist())
-        assert "<tool_response>" not in tok.decode(s.token_ids[mask].tolist())
+    masked_tool_results(tok, stored)  # tool results masked between trained completions
