@@ -119,12 +119,14 @@ def stored_samples(run_dir: Path, versions: int, limit: int) -> tuple[Any, list]
 
 def masked_tool_results(tok, stored: list) -> list[str]:
     """The masked text after the prompt of every stored single-segment episode that called a
-    tool, each checked to hold its tool results (``<tool_response>``) masked and none trained;
-    asserts there is at least one such episode."""
+    tool and ended with an answer, each checked to hold its tool results (``<tool_response>``)
+    masked and none trained; asserts there is at least one such episode. An episode whose agent
+    failed (``end`` ``error``, e.g. the SDK refusing a call's unreadable arguments before running
+    the tool) is stored with ``failed_reward`` and may hold a call with no result after it."""
     import numpy as np
 
     with_tools = [s for s in stored if s.metadata.get("tool_calls", 0) > 0
-                  and s.metadata.get("segments") == 1]
+                  and s.metadata.get("segments") == 1 and s.metadata.get("end") == "answer"]
     assert with_tools, "no stored episode called the add tool"
     out = []
     for s in with_tools:
