@@ -73,6 +73,13 @@ class RLPolicy(pl.LightningModule):
         model_id: the policy this trainer owns; batches of another ``model_id`` are refused.
         kl_coef: k3 KL penalty to the initial model, added to every objective's loss; 0 loads
             no reference model.
+        kl_decay_steps: when > 0, the KL coefficient falls linearly from ``kl_coef`` at the
+            first batch to 0 after this many batches (``global_step``: one per batch, however
+            many ``minibatches`` it is cut into, and restored on resume); from then on no
+            reference log-probs are computed (the reference model stays loaded). It holds the
+            policy near the warm start while it first sharpens, so no answer saturates on a
+            wrong guess, and lets go before the penalty would pull back what was learnt.
+            0 (default): constant.
         entropy_coef: weight of an entropy bonus: ``entropy_coef x`` the policy's mean entropy
             per trained token (at the temperature, over the batch's ``n_tokens``) is subtracted
             from every objective's loss, against the collapse onto what the policy already
@@ -146,6 +153,7 @@ class RLPolicy(pl.LightningModule):
         model_path: str,
         model_id: str = "policy",
         kl_coef: float = 0.0,
+        kl_decay_steps: int = 0,
         entropy_coef: float = 0.0,
         temperature: float = 1.0,
         unlikelihood_coef: float = 0.0,
@@ -185,6 +193,10 @@ class RLPolicy(pl.LightningModule):
                                  f"batch), got {value!r}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef: must be >= 0, got {kl_coef}")
+        if isinstance(kl_decay_steps, bool) or not isinstance(kl_decay_steps, int) \
+                or kl_decay_steps < 0:
+            raise ValueError(f"kl_decay_steps: must be an integer >= 0 (0: a constant kl_coef), "
+                             f"got {kl_decay_steps!r}")
         if entropy_coef < 0:
             raise ValueError(f"entropy_coef: must be >= 0 (a bonus on entropy), got {entropy_coef}")
         if not unlikelihood_coef >= 0:  # also refuses NaN
@@ -211,6 +223,7 @@ class RLPolicy(pl.LightningModule):
         self.model_path = model_path
         self.model_id = model_id
         self.kl_coef = kl_coef
+        self.kl_decay_steps = kl_decay_steps
         self.entropy_coef = entropy_coef
         self.temperature = temperature
         self.unlikelihood_coef = unlikelihood_coef
@@ -372,7 +385,8 @@ class RLPolicy(pl.LightningModule):
         for per-batch state of an objective (e.g. a running baseline); extend it with
         ``ctx = super().loss_context(batch, logp)``. Returns ``n_tokens`` / ``n_samples`` (loss
         tokens / samples over all ranks / world size, so DDP's gradient average equals the mean
-        over the global batch) and, if ``kl_coef > 0``, the reference log-probs (``ref_logp``).
+        over the global batch), this batch's KL coefficient (``kl_coef``, see
+        :meth:`current_kl_coef`) and, if it is above 0, the reference log-probs (``ref_logp``).
         Tensors with the batch as first dim are sliced per micro-batch.
         """
         mask = batch["mask"]
@@ -381,9 +395,18 @@ class RLPolicy(pl.LightningModule):
         world = max(1, self.trainer.world_size if self._trainer is not None else 1)
         total = all_reduce_sum(local)
         ctx: dict[str, Any] = {"n_tokens": total[0] / world, "n_samples": total[1] / world}
-        if self.kl_coef > 0:
+        ctx["kl_coef"] = self.current_kl_coef()
+        if ctx["kl_coef"] > 0:
             ctx["ref_logp"] = self._reference_logprobs(batch)
         return ctx
+
+    def current_kl_coef(self) -> float:
+        """The KL coefficient of this optimizer batch: ``kl_coef``, or with ``kl_decay_steps``
+        its linear decay to 0 over that many ``global_step``s."""
+        if self.kl_coef <= 0 or self.kl_decay_steps == 0:
+            return self.kl_coef
+        step = self.trainer.global_step if self._trainer is not None else 0
+        return self.kl_coef * max(0.0, 1.0 - step / self.kl_decay_steps)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: dict) -> Tensor:
@@ -425,14 +448,18 @@ class RLPolicy(pl.LightningModule):
     compute_loss._rl_policy_abstract = True  # checked in __init__: a subclass must override it
 
     def objective(self, batch: dict, logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`compute_loss` plus the KL penalty to the reference model (if ``kl_coef > 0``)
-        and the unlikelihood of negative samples (if ``unlikelihood_coef > 0``)."""
+        """:meth:`compute_loss` plus the KL penalty to the reference model (while
+        :meth:`current_kl_coef` is above 0) and the unlikelihood of negative samples (if
+        ``unlikelihood_coef > 0``)."""
         loss, metrics = self.compute_loss(batch, logp)
-        if self.kl_coef > 0:
-            kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], batch["mask"], self.kl_coef,
+        coef = batch.get("kl_coef", self.kl_coef)
+        if coef > 0:
+            kl_loss, kl_metrics = kl_penalty(logp, batch["ref_logp"], batch["mask"], coef,
                                              batch["n_tokens"])
             loss = loss + kl_loss
             metrics = {**metrics, **kl_metrics}
+        if self.kl_decay_steps:
+            metrics["kl_coef"] = torch.tensor(float(coef))
         if self.unlikelihood_coef > 0:
             ul_loss, ul_metrics = unlikelihood_penalty(
                 logp, batch["mask"], batch["sample_advantages"], self.unlikelihood_coef,

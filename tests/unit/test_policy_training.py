@@ -83,6 +83,33 @@ def test_fit_other_objectives(tiny_model_dir, tmp_path, loss):
     assert policy.ref_model is not None
 
 
+def test_kl_decay_falls_linearly_and_then_skips_the_reference_pass(tiny_model_dir, tmp_path,
+                                                                    monkeypatch):
+    fake = FakeDataflowClient(tiny_model_dir, logprob_noise=0.3)
+    policy = M2POPolicy(str(tiny_model_dir), lr=1e-3, kl_coef=0.08, kl_decay_steps=2)
+    reference_passes = []
+    real = policy._reference_logprobs
+    monkeypatch.setattr(policy, "_reference_logprobs",
+                        lambda batch: reference_passes.append(1) or real(batch))
+    coefs = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            coefs.append(float(trainer.callback_metrics["train/kl_coef"]))
+
+    make_trainer(tmp_path, max_steps=3, callbacks=[Record()]).fit(policy,
+                                                                  datamodule=make_data(fake))
+    assert coefs == pytest.approx([0.08, 0.04, 0.0])  # global_step 0, 1, 2 of 2 decay steps
+    assert len(reference_passes) == 2  # none once the coefficient is 0
+    assert policy.ref_model is not None
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_kl_decay_steps_must_be_a_count(tiny_model_dir, bad):
+    with pytest.raises(ValueError, match=r"kl_decay_steps: must be an integer >= 0"):
+        M2POPolicy(str(tiny_model_dir), kl_coef=0.05, kl_decay_steps=bad)
+
+
 def test_temperature_mismatch_is_refused(tiny_model_dir, tmp_path):
     fake = FakeDataflowClient(tiny_model_dir, temperature=0.7)
     policy = M2POPolicy(str(tiny_model_dir), temperature=1.0)
