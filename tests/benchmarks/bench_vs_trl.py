@@ -121,6 +121,7 @@ CONFIGS = {
         "trainers.0.model.init_args.lr={lr}",
         "trainers.0.model.init_args.grad_clip=1.0",           # TRL's max_grad_norm
         "trainers.0.model.init_args.weight_decay=0.0",
+        "trainers.0.model.init_args.kl_coef=0.0",             # TRL's beta 0: no KL penalty
         "raas.0.engines.policy.dtype=float32",                # sample from the exact weights
         "trainers.0.trainer.callbacks.0.init_args.precision=fp32",
         "raas.0.workflow.init_args.sampling.max_tokens={max_tokens}",  # TRL's max length

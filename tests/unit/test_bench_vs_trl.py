@@ -44,6 +44,7 @@ def test_the_parity_config_is_trls_grpo_set_by_recipe_keys_alone(tmp_path):
     assert recipe["trainers"][0]["data"]["init_args"]["batch_size"] == bench.TRL_BATCH
     assert model["minibatches"] == 1 and model["batch_passes"] == 1
     assert model["loss"] == "ppo_clip" and model["lr"] == 3e-4 and model["grad_clip"] == 1.0
+    assert model["kl_coef"] == 0.0  # TRL's beta 0, whatever the toy's default penalty
     engine = recipe["raas"][0]["engines"]["policy"]
     assert engine["dtype"] == "float32"
     publisher = recipe["trainers"][0]["trainer"]["callbacks"][0]
