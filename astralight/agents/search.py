@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BM25Search", "read_corpus", "synthetic_qa", "write_synthetic_qa", "RELATIONS"]
+__all__ = ["BM25Search", "read_corpus", "person_name", "synthetic_qa", "write_synthetic_qa",
+           "RELATIONS"]
 
 
 def _import_bm25s():
@@ -188,6 +189,12 @@ def _word(rng: np.random.Generator, syllables: int) -> str:
     return ("".join(parts) + str(rng.choice(_CODAS))).capitalize()
 
 
+def person_name(rng: np.random.Generator) -> str:
+    """A made-up one-word name of the synthetic world's kind (two syllables and a coda, e.g.
+    ``Drakeal``): what :func:`synthetic_qa` names its people with."""
+    return _word(rng, 2)
+
+
 def _distinct(rng: np.random.Generator, count: int, make, taken: set[str]) -> list[str]:
     out = []
     while len(out) < count:
@@ -221,7 +228,7 @@ def synthetic_qa(seed: int = 0, n_people: int = 200, eval_share: float = 0.2,
     rng = np.random.default_rng([seed, 7])
     taken: set[str] = set()
     # one short word each: a character-level model copies the name into its query
-    people = _distinct(rng, n_people, lambda: _word(rng, 2), taken)
+    people = _distinct(rng, n_people, lambda: person_name(rng), taken)
     cities = _distinct(rng, n_cities, lambda: _word(rng, int(rng.integers(2, 4))), taken)
     n_eval = max(1, int(round(eval_share * n_people)))
     held_out = set(int(i) for i in rng.permutation(n_people)[:n_eval])

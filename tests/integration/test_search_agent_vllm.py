@@ -38,10 +38,12 @@ def world(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("search_agent")
     t0 = time.time()
+    # the world's own 8 names (no fresh_names): 100 steps learn them, not copying, and the test
+    # needs some episodes to score 1
     model = build_search_policy(root / "model", root / "data", seed=0, n_people=8,
                                 eval_share=0.25, relations=["pet"], conversations=256,
-                                spec=SPEC, sft_steps=100, lr=1e-2, batch_size=16,
-                                progress=False, num_threads=1)
+                                fresh_names=False, spec=SPEC, sft_steps=100, lr=1e-2,
+                                batch_size=16, progress=False, num_threads=1)
     print(f"\nwarm start {time.time() - t0:.1f}s")
     return model, root / "data"
 

@@ -311,6 +311,36 @@ def test_warmstart_scripts_search_then_copy_the_answer(tmp_path):
         assert answer["content"] in result["content"]
 
 
+def test_fresh_names_give_every_conversation_a_new_person(tmp_path):
+    """fresh_names: the person is renamed in question, query and result alike (the answer and
+    the rest unchanged), no train person's name is left, and the names do not repeat; a file
+    with no supporting_facts is refused naming the option."""
+    from astralight.tasks.search_warmstart import SEARCH_TOOL_ARGS, search_conversations
+
+    paths = write_synthetic_qa(tmp_path, seed=1, n_people=10)
+    tool = BM25Search(paths["corpus"], **SEARCH_TOOL_ARGS)
+    plain = search_conversations(paths["train"], tool, count=40, seed=0)
+    fresh = search_conversations(paths["train"], tool, count=40, seed=0, fresh_names=True)
+    train_names = {json.loads(line)["supporting_facts"][0][0]
+                   for line in Path(paths["train"]).read_text().splitlines()}
+    names = []
+    for old, new in zip(plain, fresh):
+        _, user, call, result, answer = new
+        (old_name,) = [n for n in train_names if n in old[1]["content"]]
+        (new_name,) = {w.strip("?") for w in user["content"].split()} - \
+            {w.strip("?") for w in old[1]["content"].split()}
+        assert not any(n in m["content"] for m in new for n in train_names)
+        for before, after in zip(old, new):
+            assert after["content"] == before["content"].replace(old_name, new_name)
+        (parsed,) = parse_tool_calls(call["content"])
+        assert parsed.arguments == {"query": user["content"]} and new_name in result["content"]
+        assert answer == old[-1]
+        names.append(new_name)
+    assert len(set(names)) >= 38  # two-syllable names: a repeat now and then, not a cycle
+    with pytest.raises(ValueError, match="fresh_names"):
+        search_conversations(paths["eval"], tool, count=3, fresh_names=True)
+
+
 def test_a_scripted_episode_searches_and_scores(tmp_path):
     """ToolAgentWorkflow with the search tool and a scripted engine: the call is run, its
     result is masked, the copied answer scores 1."""
