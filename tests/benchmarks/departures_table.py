@@ -81,7 +81,8 @@ def markdown(rows: list[dict], samples: list[float], times: list[float], cost_at
     out = ["| change from parity | seeds | " + " | ".join(head) + " |",
            "| --- | --- |" + " ---: |" * len(head)]
     for r in rows:
-        cells = [_cell(p, True) for p in r["at_samples"]] + [_cell(p, False) for p in r["at_seconds"]]
+        cells = ([_cell(p, True) for p in r["at_samples"]]
+                 + [_cell(p, False) for p in r["at_seconds"]])
         cells.append(", ".join(f"{n / 1000:.1f}k" for n in r["samples_trained"]))
         cells += [_diff(r["cost_per_sample"]), _diff(r["gain_per_second"])]
         out.append(f"| {r['name']} | {len(r['seeds'])} | " + " | ".join(cells) + " |")

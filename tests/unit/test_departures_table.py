@@ -13,7 +13,8 @@ from tests.benchmarks import departures_table as table
 def _write(path, runs):
     """A bench_vs_trl JSON output holding ``runs``: ``{seed: [[t, samples, acc], ...]}``."""
     path.write_text(json.dumps({"astra_runs": [
-        {"seed": s, "curve": c, "summary": {"samples_trained": c[-1][1]}} for s, c in runs.items()]}))
+        {"seed": s, "curve": c, "summary": {"samples_trained": c[-1][1]}}
+        for s, c in runs.items()]}))
     return str(path)
 
 
