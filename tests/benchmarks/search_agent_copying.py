@@ -20,6 +20,9 @@ import sqlite3
 import sys
 from pathlib import Path
 
+#: the person a synthetic question asks about ("Where was Drakeal born?")
+ASKED = re.compile(r"(?:of|was|does) ([A-Z][A-Za-z]+)")
+
 KINDS = ("query", "names_person", "result_about_person", "answer_from_result", "reward",
          "reward_from_stranger")
 
@@ -29,7 +32,7 @@ def classify(prompt: str, completion: str, reward: float) -> dict[str, float]:
     markup, as the tiny chat model's template writes it)."""
     users = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.S)
     question = users[-1] if users else ""
-    asked = re.search(r"(?:of|was|does) ([A-Z][A-Za-z]+)", question)
+    asked = ASKED.search(question)
     name = asked.group(1) if asked else None
     query = re.search(r'"query": "(.*?)"', completion)
     result = re.search(r"<tool_response>\n\(1\) (.*?)\n", completion)

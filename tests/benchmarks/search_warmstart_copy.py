@@ -1,8 +1,8 @@
 """Does the search agent's warm start copy a name it has never seen into its query?
 
-Builds the warm start of ``examples/search_agent`` (the world of ``write_synthetic_qa``, the
-recipe's tool settings, 4,000 conversations, batch 32, lr 5e-3, one thread) with or without
-``fresh_names`` and for a number of steps, then samples its first assistant turn on held-out
+Builds the warm start of ``examples/search_agent`` with its prepare step
+(``build_search_policy``: the synthetic world, the recipe's tool settings, 4,000 conversations,
+batch 32, lr 5e-3, one thread) with or without ``fresh_names`` and for a number of steps, then samples its first assistant turn on held-out
 questions with transformers (``--samples`` per question at temperature 1.0, and greedy) and
 counts the queries that name the person asked about: the skill RL has to build on.
 
@@ -16,26 +16,28 @@ the model sees each train person's name ~14 times and can remember instead of co
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from astralight.agents.chat import ChatTranscript
-from astralight.agents.search import BM25Search, write_synthetic_qa
+from astralight.agents.search import BM25Search
 from astralight.agents.tools import Tool
-from astralight.tasks.chat_warmstart import train_chat_warmstart
 from astralight.tasks.qa import QASource
 from astralight.tasks.search_warmstart import (SEARCH_SYSTEM_PROMPT, SEARCH_TOOL_ARGS,
-                                               search_conversations)
+                                               build_search_policy)
 from astralight.trainer.tinymodel import CHAT_MODEL_SPEC
 
-#: the person a synthetic question asks about
-ASKED = re.compile(r"(?:was|of|does) ([A-Z][a-z]+)")
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: make the tests package importable
+    sys.path.insert(0, str(REPO))
+from tests.benchmarks.search_agent_copying import ASKED  # noqa: E402
 
 
 def names_person(text: str, name: str) -> bool:
@@ -78,28 +80,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="a new made-up person in every conversation (the recipe's setting)")
     ap.add_argument("--sft-steps", type=int, default=400)
     ap.add_argument("--layers", type=int, default=CHAT_MODEL_SPEC.num_hidden_layers)
-    ap.add_argument("--seed", type=int, default=0, help="the warm start's seed (the world's is 0)")
+    ap.add_argument("--seed", type=int, default=0, help="the world's and the warm start's seed")
     ap.add_argument("--questions", type=int, default=100, help="held-out questions probed")
     ap.add_argument("--samples", type=int, default=4, help="sampled turns per question")
     args = ap.parse_args(argv)
     if args.sft_steps < 1 or args.layers < 1 or args.questions < 1 or args.samples < 1:
         ap.error("--sft-steps, --layers, --questions and --samples: at least 1")
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_synthetic_qa(tmp, seed=0, n_people=1000, eval_share=0.1)
-        tool = BM25Search(paths["corpus"], **SEARCH_TOOL_ARGS)
-        schema = Tool(tool).schema
-        conversations = search_conversations(paths["train"], tool, 4000, 1.0, args.seed,
-                                             fresh_names=args.fresh_names)
-        spec = dataclasses.replace(CHAT_MODEL_SPEC, num_hidden_layers=args.layers)
         losses: list[float] = []
         t0 = time.monotonic()
-        model, tokenizer = train_chat_warmstart(
-            conversations, [schema], spec=spec, sft_steps=args.sft_steps, lr=5e-3, batch_size=32,
-            seed=args.seed, progress=lambda s, loss: losses.append(loss) if s % 50 == 0 else None)
+        folder = build_search_policy(  # the recipe's prepare step, its other settings as shipped
+            Path(tmp) / "model", Path(tmp) / "data", seed=args.seed,
+            fresh_names=args.fresh_names, spec={"num_hidden_layers": args.layers},
+            sft_steps=args.sft_steps, num_threads=1,
+            progress=lambda s, loss: losses.append(loss) if s % 50 == 0 else None)
         seconds = time.monotonic() - t0
-        rates = copy_rates(model, tokenizer, QASource(paths["eval"]), schema, args.questions,
-                           args.samples, args.seed)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        schema = Tool(BM25Search(str(Path(tmp) / "data" / "corpus.jsonl"),
+                                 **SEARCH_TOOL_ARGS)).schema
+        rates = copy_rates(model, tokenizer, QASource(str(Path(tmp) / "data" / "eval.jsonl")),
+                           schema, args.questions, args.samples, args.seed)
     print(json.dumps({"fresh_names": args.fresh_names, "sft_steps": args.sft_steps,
                       "layers": args.layers, "seed": args.seed, "warmstart_s": round(seconds, 1),
                       "loss_every_50": [round(x, 3) for x in losses], **rates}), flush=True)
